@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (python3 with pip and venv, make): `make demo`, `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test test-slow bench lint docs clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(VENV)/.bench
+
+demo: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m solvers.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check implicit solvers tests benchmarks
+	MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 -q
+
+test-slow: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) -q -m slow
+
+bench: $(VENV)/.bench
+	MPLBACKEND=Agg $(PY) -m benchmarks
+
+lint: $(STAMP)
+	$(PY) -m ruff check implicit solvers tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo_output benchmarks/results .pytest_cache

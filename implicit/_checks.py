@@ -1,0 +1,164 @@
+"""Call-time validation shared by the engine and every solver.
+
+Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
+wrong value) with a message naming the argument and what was expected. Checks run in
+Python at call or trace time, before any iteration.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ON_FAILURE = ("raise", "nan", "ignore")
+RULES = ("vjp", "jvp")
+
+
+def _is_concrete(value) -> bool:
+    return not isinstance(value, jax.core.Tracer)
+
+
+def check_callable(fn, name: str):
+    if not callable(fn):
+        raise TypeError(f"`{name}` must be callable, got {type(fn).__name__}: {fn!r:.80}")
+
+
+def check_choice(value, name: str, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"unknown `{name}`={value!r}; valid values are: {valid}")
+
+
+def check_linear_solver(linear_solver, rule: str = "vjp") -> None:
+    from implicit.linear import LINEAR_METHODS, LINEAR_SOLVERS
+
+    if callable(linear_solver):
+        return
+    check_choice(linear_solver, "linear_solver", LINEAR_SOLVERS + ("<a callable (matvec, b) -> x>",))
+    if rule == "jvp" and linear_solver not in LINEAR_METHODS:
+        valid = ", ".join(repr(c) for c in LINEAR_METHODS)
+        raise ValueError(
+            f"`linear_solver`={linear_solver!r} is not a linear map of its right-hand side, "
+            f"so it cannot carry a forward-mode rule; with rule='jvp' use one of {valid} "
+            "or a callable, or use rule='vjp'"
+        )
+
+
+def check_positive(value, name: str, *, allow_none: bool = True) -> None:
+    """A positive finite scalar tolerance (traced values are accepted unchecked)."""
+    if value is None and allow_none:
+        return
+    if not _is_concrete(value):
+        if jnp.ndim(value) != 0:
+            raise ValueError(f"`{name}` must be a scalar, got shape {jnp.shape(value)}")
+        return
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - re-raised with context below
+        arr = None
+    if arr is None or arr.ndim != 0 or not np.issubdtype(arr.dtype, np.number):
+        raise TypeError(f"`{name}` must be a positive number, got {value!r:.80}")
+    if not (np.isfinite(arr) and arr > 0):
+        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
+
+
+def check_max_steps(max_steps, name: str = "max_steps") -> int:
+    if isinstance(max_steps, bool) or not isinstance(max_steps, numbers.Integral):
+        raise TypeError(f"`{name}` must be a positive int, got {max_steps!r:.80}")
+    if max_steps <= 0:
+        raise ValueError(f"`{name}` must be a positive int, got {max_steps}")
+    return int(max_steps)
+
+
+def as_floating(tree, name: str):
+    """Convert every leaf of ``tree`` to a floating array (ints and bools are promoted).
+
+    Raises TypeError for leaves that are not numbers or arrays (strings, None, objects)
+    and for complex leaves.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        raise ValueError(f"`{name}` must contain at least one array, got {tree!r:.80}")
+    float_dtype = jnp.zeros(()).dtype  # float32, or float64 under jax_enable_x64
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = f"`{name}`" + jax.tree_util.keystr(path)
+        if isinstance(leaf, (str, bytes)) or leaf is None:
+            raise TypeError(f"{where} must be a floating array, got {type(leaf).__name__}")
+        try:
+            dtype = jnp.result_type(leaf)
+        except TypeError:
+            raise TypeError(
+                f"{where} must be a floating array, got {type(leaf).__name__}: {leaf!r:.80}"
+            ) from None
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(f"{where} must be real floating, got complex dtype {dtype}")
+        if jnp.issubdtype(dtype, jnp.floating):
+            out.append(jnp.asarray(leaf))
+        elif jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+            out.append(jnp.asarray(leaf, dtype=float_dtype))
+        else:
+            raise TypeError(f"{where} must be a floating array, got dtype {dtype}")
+    return jax.tree.unflatten(treedef, out)
+
+
+def check_like(out, ref, out_name: str, ref_name: str) -> None:
+    """``out`` (arrays or ShapeDtypeStructs) must match ``ref`` in structure, shape and dtype."""
+    out_tree, ref_tree = jax.tree.structure(out), jax.tree.structure(ref)
+    if out_tree != ref_tree:
+        raise ValueError(
+            f"{out_name} must have the same pytree structure as {ref_name}: "
+            f"got {out_tree}, expected {ref_tree}"
+        )
+    paths = jax.tree_util.tree_flatten_with_path(ref)[0]
+    for (path, r), o in zip(paths, jax.tree.leaves(out)):
+        where = jax.tree_util.keystr(path)
+        if jnp.shape(o) != jnp.shape(r):
+            raise ValueError(
+                f"{out_name}{where} must have the shape of {ref_name}{where}: "
+                f"got {jnp.shape(o)}, expected {jnp.shape(r)}"
+            )
+        if _dtype(o) != _dtype(r):
+            raise ValueError(
+                f"{out_name}{where} must have the dtype of {ref_name}{where}: "
+                f"got {_dtype(o)}, expected {_dtype(r)}"
+            )
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def default_tolerances(tree):
+    """(rtol, atol) defaults for the floating dtype of ``tree``."""
+    dtype = jnp.result_type(*jax.tree.leaves(tree))
+    if jnp.finfo(dtype).bits >= 64:
+        return 1e-8, 1e-10
+    return 1e-5, 1e-6
+
+
+def check_args(args, name: str = "args"):
+    """Every leaf of the extra positional arguments must be an array or a number."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
+        if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, (np.ndarray, jax.Array)):
+            continue
+        if isinstance(leaf, (numbers.Number, np.generic)) and not isinstance(leaf, complex):
+            continue
+        raise TypeError(
+            f"`{name}{jax.tree_util.keystr(path)}` must be an array or a number (pytrees of "
+            f"arrays are fine), got {type(leaf).__name__}: {leaf!r:.80}; pass non-array "
+            "settings by closing over them in the function"
+        )
+
+
+def check_common_options(*, rtol, atol, max_steps, rule, linear_solver, on_failure):
+    """The options every fixed-point and root solver shares (SPEC 'Options')."""
+    check_positive(rtol, "rtol")
+    check_positive(atol, "atol")
+    check_max_steps(max_steps)
+    check_choice(rule, "rule", RULES)
+    check_linear_solver(linear_solver, rule)
+    check_choice(on_failure, "on_failure", ON_FAILURE)

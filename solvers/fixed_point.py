@@ -1,0 +1,222 @@
+"""Fixed points ``x = f(x, *args)``: plain (damped) iteration and Anderson acceleration."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from implicit import _checks, custom_fixed_point
+from solvers import _loop
+
+__all__ = ["fixed_point"]
+
+METHODS = ("iterate", "anderson")
+
+
+def fixed_point(
+    f,
+    x0,
+    *args,
+    method="iterate",
+    damping=1.0,
+    history_size=5,
+    regularization=1e-8,
+    rtol=None,
+    atol=None,
+    max_steps=1000,
+    rule="vjp",
+    linear_solver="gmres",
+    on_failure="raise",
+    full_output=False,
+):
+    """Find ``x*`` with ``f(x*, *args) == x*``, differentiable by the implicit function theorem.
+
+    ``method="iterate"`` runs ``x <- x + damping * (f(x) - x)``; ``method="anderson"``
+    extrapolates from the last ``history_size`` iterates (Anderson acceleration, type II,
+    with a ridge of ``regularization`` relative to the residuals' scale, so it stays
+    effective when residuals are tiny). Both stop when
+    ``max|f(x) - x| <= atol + rtol * max|f(x)|``. Gradients with respect to ``args`` and to
+    traced values ``f`` closes over solve ``(I - ∂f/∂x)ᵀ w = ḡ`` with ``linear_solver``;
+    the iterations are never differentiated, so memory does not grow with ``max_steps``.
+
+    Args:
+      f: ``f(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
+      x0: initial guess (pytree of arrays; ints are promoted to float).
+      *args: parameters (pytrees of arrays), differentiated.
+      method: ``"iterate"`` or ``"anderson"``.
+      damping: step fraction in ``(0, 1]`` (also Anderson's mixing parameter).
+      history_size: Anderson's memory (``method="anderson"``).
+      regularization: Anderson's relative ridge.
+      rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
+        1e-8/1e-10 in float64); the adjoint linear solve uses the same ``rtol``.
+      max_steps: iteration cap.
+      rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
+      linear_solver: adjoint linear solver (see :mod:`implicit.linear`).
+      on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
+      full_output: also return an :class:`solvers.Info` with ``converged``,
+        ``num_steps``, ``residual`` and ``residual_history``.
+
+    Returns:
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+
+    Example:
+      >>> import jax, solvers
+      >>> newton_sqrt = lambda a: solvers.fixed_point(lambda x, a: 0.5 * (x + a / x), a, a)
+      >>> print(newton_sqrt(2.0), jax.grad(newton_sqrt)(2.0))
+      1.4142135 0.35355338
+    """
+    _checks.check_callable(f, "f")
+    _checks.check_choice(method, "method", METHODS)
+    _checks.check_common_options(
+        rtol=rtol,
+        atol=atol,
+        max_steps=max_steps,
+        rule=rule,
+        linear_solver=linear_solver,
+        on_failure=on_failure,
+    )
+    _checks.check_positive(damping, "damping", allow_none=False)
+    if _checks._is_concrete(damping) and float(damping) > 1:
+        raise ValueError(f"`damping` must be in (0, 1], got {damping}")
+    _checks.check_max_steps(history_size, "history_size")
+    _checks.check_positive(regularization, "regularization", allow_none=False)
+    _checks.check_args(args)
+    x0 = _checks.as_floating(x0, "x0")
+    default_rtol, default_atol = _checks.default_tolerances(x0)
+    dtype = jnp.result_type(*jax.tree.leaves(x0))
+    return _loop.dispatch(
+        _solve,
+        x0,
+        args,
+        jnp.asarray(default_rtol if rtol is None else rtol, dtype),
+        jnp.asarray(default_atol if atol is None else atol, dtype),
+        jnp.asarray(damping, dtype),
+        jnp.asarray(regularization, dtype),
+        f=f,
+        method=method,
+        history_size=int(history_size),
+        rule=rule,
+        linear_solver=linear_solver,
+        on_failure=on_failure,
+        record_history=bool(full_output),
+        solver=f"solvers.fixed_point(method={method!r})",
+        full_output=full_output,
+        max_steps=int(max_steps),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "f",
+        "method",
+        "history_size",
+        "rule",
+        "linear_solver",
+        "on_failure",
+        "record_history",
+        "solver",
+        "check",
+        "max_steps",
+    ),
+)
+def _solve(
+    x0,
+    args,
+    rtol,
+    atol,
+    damping,
+    regularization,
+    *,
+    f,
+    method,
+    history_size,
+    rule,
+    linear_solver,
+    on_failure,
+    record_history,
+    solver,
+    check,
+    max_steps,
+):
+    _checks.check_like(jax.eval_shape(f, x0, *args), x0, "f(x0, *args)", "x0")
+    make_step, init = (_iterate_step, _iterate_init) if method == "iterate" else (
+        _anderson_step,
+        functools.partial(_anderson_init, history_size=history_size),
+    )
+
+    @custom_fixed_point(f, linear_solver=linear_solver, has_aux=True, rule=rule, rtol=rtol)
+    def solve(x0, *args):
+        step = make_step(lambda x: f(x, *args), damping, regularization)
+        state, info = _loop.iterate(
+            step,
+            init(x0),
+            rtol=rtol,
+            atol=atol,
+            max_steps=max_steps,
+            record_history=record_history,
+        )
+        x = state[0]  # every method's state starts with the iterate
+        x = _loop.apply_failure_policy(
+            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps
+        )
+        return x, info
+
+    return solve(x0, *args)
+
+
+def _sub(a, b):
+    return jax.tree.map(jnp.subtract, a, b)
+
+
+def _iterate_init(x0):
+    return (x0,)
+
+
+def _iterate_step(fn, damping, regularization):
+    del regularization
+
+    def step(state):
+        (x,) = state
+        fx = fn(x)
+        g = _sub(fx, x)
+        x_new = jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
+        return (x_new,), _loop.max_norm(g), _loop.max_norm(fx)
+
+    return step
+
+
+def _anderson_init(x0, *, history_size):
+    flat, _ = ravel_pytree(x0)
+    zeros = jnp.zeros((history_size, flat.size), flat.dtype)
+    return (x0, zeros, zeros, jnp.int32(0))
+
+
+def _anderson_step(fn, damping, regularization):
+    def step(state):
+        x, xs, gs, k = state
+        x_flat, unravel = ravel_pytree(x)
+        fx_flat = ravel_pytree(fn(x))[0]
+        g = fx_flat - x_flat
+        m = xs.shape[0]
+        slot = k % m
+        xs = xs.at[slot].set(x_flat)
+        gs = gs.at[slot].set(g)
+        valid = jnp.arange(m) <= k
+        gram = gs @ gs.T
+        gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
+        # Ridge relative to the residuals' scale (an absolute ridge stalls once the
+        # residuals are small); unused slots get a unit diagonal and a zero weight.
+        ridge = regularization * jnp.max(jnp.diag(gram))
+        gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
+        alpha = jnp.linalg.solve(gram, valid.astype(gram.dtype))
+        alpha = alpha / jnp.sum(alpha)
+        x_new = alpha @ (xs + damping * gs)
+        # A degenerate least-squares system falls back to a damped plain step.
+        x_new = jnp.where(jnp.all(jnp.isfinite(x_new)), x_new, x_flat + damping * g)
+        return (unravel(x_new), xs, gs, k + 1), jnp.max(jnp.abs(g)), jnp.max(jnp.abs(fx_flat))
+
+    return step
