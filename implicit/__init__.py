@@ -6,7 +6,24 @@ linear solvers; ready custom-derivative rules and :mod:`implicit.plot` (plotting
 matplotlib imported lazily) complete it.
 """
 
-from implicit import linear
+from implicit import linear, plot
 from implicit.ift import custom_fixed_point, custom_root
+from implicit.rules import (
+    clip_gradient,
+    debug_backward,
+    log1pexp,
+    with_derivative,
+    x_over_1p_sqrt,
+)
 
-__all__ = ["custom_root", "custom_fixed_point", "linear"]
+__all__ = [
+    "clip_gradient",
+    "custom_fixed_point",
+    "custom_root",
+    "debug_backward",
+    "linear",
+    "log1pexp",
+    "plot",
+    "with_derivative",
+    "x_over_1p_sqrt",
+]

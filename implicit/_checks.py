@@ -37,7 +37,8 @@ def check_linear_solver(linear_solver, rule: str = "vjp") -> None:
 
     if callable(linear_solver):
         return
-    check_choice(linear_solver, "linear_solver", LINEAR_SOLVERS + ("<a callable (matvec, b) -> x>",))
+    names = LINEAR_SOLVERS + ("<a callable (matvec, b) -> x>",)
+    check_choice(linear_solver, "linear_solver", names)
     if rule == "jvp" and linear_solver not in LINEAR_METHODS:
         valid = ", ".join(repr(c) for c in LINEAR_METHODS)
         raise ValueError(
@@ -162,3 +163,24 @@ def check_common_options(*, rtol, atol, max_steps, rule, linear_solver, on_failu
     check_choice(rule, "rule", RULES)
     check_linear_solver(linear_solver, rule)
     check_choice(on_failure, "on_failure", ON_FAILURE)
+
+
+def as_floating_array(value, name: str):
+    """One floating array (not a pytree): ints and bools are promoted, as in :func:`as_floating`."""
+    if isinstance(value, (list, tuple, dict)) or (
+        not isinstance(value, jax.core.Tracer)
+        and not isinstance(value, (np.ndarray, np.generic, jax.Array, numbers.Number))
+    ):
+        raise TypeError(f"`{name}` must be a floating array or number, got {value!r:.80}")
+    return as_floating(value, name)
+
+
+def check_scalar_function_output(out, x, fn_name: str, x_name: str) -> None:
+    """``out`` (a ShapeDtypeStruct) of an elementwise scalar function at ``x``: one array
+    with ``x``'s shape and dtype."""
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise ValueError(
+            f"{fn_name} must return one array (an elementwise scalar function), "
+            f"got {jax.tree.structure(out)}"
+        )
+    check_like(out, x, fn_name, x_name)

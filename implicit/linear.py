@@ -53,12 +53,74 @@ def _axpy(alpha, x, y):
     return jax.tree.map(lambda xi, yi: alpha * xi + yi, x, y)
 
 
-def _gmres(matvec, b, rtol, atol, max_steps):
-    # JAX's GMRES stops at max(tol * ||b||, atol); rtol + atol is at most twice that.
-    restart = 20
-    return jsp_linalg.gmres(
-        matvec, b, tol=rtol, atol=atol, restart=restart, maxiter=max(1, max_steps // restart)
-    )[0]
+def _gmres(matvec, b, rtol, atol, max_steps, restart=20):
+    """Restarted GMRES on a flat vector: Arnoldi with re-orthogonalised classical
+    Gram-Schmidt, Givens rotations for a running residual estimate, early exit inside a
+    cycle as soon as the estimate meets the tolerance."""
+    n = b.shape[0]
+    m = min(restart, n)
+    dtype = b.dtype
+    bound = atol + rtol * jnp.linalg.norm(b)
+    rows = jnp.arange(m + 1)
+
+    def cycle(x):
+        r = b - matvec(x)
+        beta = jnp.linalg.norm(r)
+        basis = jnp.zeros((m + 1, n), dtype).at[0].set(r / jnp.where(beta > 0, beta, 1))
+        hess = jnp.zeros((m + 1, m), dtype)  # Hessenberg matrix, rotated to triangular
+        cs = jnp.zeros(m, dtype)
+        sn = jnp.zeros(m, dtype)
+        g = jnp.zeros(m + 1, dtype).at[0].set(beta)
+
+        def not_done(c):
+            j, _, _, _, _, g = c
+            return (j < m) & (jnp.abs(g[j]) > bound)
+
+        def arnoldi_step(c):
+            j, basis, hess, cs, sn, g = c
+            w = matvec(basis[j])
+            mask = rows <= j
+            h = jnp.where(mask, basis @ w, 0.0)
+            w = w - h @ basis
+            h2 = jnp.where(mask, basis @ w, 0.0)
+            w = w - h2 @ basis
+            h_norm = jnp.linalg.norm(w)
+            basis = basis.at[j + 1].set(w / jnp.where(h_norm > 0, h_norm, 1))
+            h = (h + h2).at[j + 1].set(h_norm)
+
+            def rotate(i, h):
+                hi, hi1 = h[i], h[i + 1]
+                h = h.at[i].set(cs[i] * hi + sn[i] * hi1)
+                return h.at[i + 1].set(-sn[i] * hi + cs[i] * hi1)
+
+            h = jax.lax.fori_loop(0, j, rotate, h)
+            a, bb = h[j], h[j + 1]
+            radius = jnp.sqrt(a * a + bb * bb)
+            radius = jnp.where(radius > 0, radius, 1)
+            c_j, s_j = a / radius, bb / radius
+            h = h.at[j].set(c_j * a + s_j * bb).at[j + 1].set(0.0)
+            g = g.at[j + 1].set(-s_j * g[j]).at[j].set(c_j * g[j])
+            return j + 1, basis, hess.at[:, j].set(h), cs.at[j].set(c_j), sn.at[j].set(s_j), g
+
+        j, basis, hess, _, _, g = jax.lax.while_loop(
+            not_done, arnoldi_step, (jnp.int32(0), basis, hess, cs, sn, g)
+        )
+        used = jnp.arange(m) < j
+        tri = jnp.where(used[:, None] & used[None, :], hess[:m], jnp.eye(m, dtype=dtype))
+        y = jax.scipy.linalg.solve_triangular(tri, jnp.where(used, g[:m], 0.0), lower=False)
+        return x + y @ basis[:m], jnp.abs(g[j]), j
+
+    def outer_cond(c):
+        _, residual, steps = c
+        return (residual > bound) & (steps < max_steps)
+
+    def outer_body(c):
+        x, _, steps = c
+        x, residual, j = cycle(x)
+        return x, residual, steps + jnp.maximum(j, 1)
+
+    init = (jnp.zeros_like(b), jnp.asarray(jnp.inf, dtype), jnp.int32(0))
+    return jax.lax.while_loop(outer_cond, outer_body, init)[0]
 
 
 def _bicgstab(matvec, b, rtol, atol, max_steps):
@@ -134,13 +196,30 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
       >>> bool(jnp.allclose(A @ x, jnp.array([1.0, 0.0]), atol=1e-5))
       True
     """
+    # Work on one flat vector: custom_linear_solve's transpose needs every leaf of the
+    # right-hand side to depend on the tangents, which a pytree with a constant-zero part
+    # (e.g. an unknown that the parameters do not enter) would break.
+    b_flat, unravel = ravel_pytree(b)
+
+    def matvec_flat(v):
+        return ravel_pytree(matvec(unravel(v)))[0]
+
     if callable(linear_solver):
-        raw = lambda mv, rhs: linear_solver(mv, rhs)  # noqa: E731
+
+        def raw(mv_flat, rhs_flat):
+            def mv(v):  # the user's solver sees pytrees shaped like b
+                return unravel(mv_flat(ravel_pytree(v)[0]))
+
+            return ravel_pytree(linear_solver(mv, unravel(rhs_flat)))[0]
+
     else:
-        size = sum(leaf.size for leaf in jax.tree.leaves(b))
-        steps = max_steps if max_steps is not None else max(200, 10 * size)
+        steps = max_steps if max_steps is not None else max(200, min(10 * b_flat.size, 2000))
         method = _METHODS[linear_solver]
-        raw = lambda mv, rhs: method(mv, rhs, rtol, atol, steps)  # noqa: E731
-    return jax.lax.custom_linear_solve(
-        matvec, b, solve=raw, transpose_solve=raw, symmetric=linear_solver == "cg"
+
+        def raw(mv_flat, rhs_flat):
+            return method(mv_flat, rhs_flat, rtol, atol, steps)
+
+    x_flat = jax.lax.custom_linear_solve(
+        matvec_flat, b_flat, solve=raw, transpose_solve=raw, symmetric=linear_solver == "cg"
     )
+    return unravel(x_flat)

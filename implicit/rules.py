@@ -44,8 +44,9 @@ def log1pexp(x):
     The value is ``logaddexp(0, x)``, exact for large ``|x|``; the derivative
     ``e^x / (1 + e^x) = 1 - 1 / (1 + e^x)`` is evaluated as the logistic sigmoid, so it
     never forms ``0 * inf`` (the naive ``jnp.log(1. + jnp.exp(x))`` has a ``nan``
-    gradient once ``e^x`` overflows). A ``jax.custom_jvp`` rule: ``jit``, ``vmap``,
-    ``grad``, ``jvp`` and higher derivatives all work.
+    gradient once ``e^x`` overflows), and the second derivative as
+    ``sigmoid(x) sigmoid(-x)``. A ``jax.custom_jvp`` rule: ``jit``, ``vmap``, ``grad``,
+    ``jvp`` and higher derivatives all work.
 
     Args:
       x: a floating array (or a Python/NumPy scalar), evaluated elementwise.
@@ -64,7 +65,16 @@ def log1pexp(x):
     return jnp.logaddexp(0.0, x)
 
 
-log1pexp.defjvps(lambda x_dot, ans, x: jax.nn.sigmoid(x) * x_dot)
+@jax.custom_jvp
+def _sigmoid(x):
+    # 1 / (1 + e^-x), whose own derivative sigmoid(x) sigmoid(-x) is formed without the
+    # cancellation of sigmoid(x) (1 - sigmoid(x)): accurate second derivatives of
+    # log1pexp for large |x|.
+    return jax.nn.sigmoid(x)
+
+
+_sigmoid.defjvps(lambda x_dot, ans, x: ans * _sigmoid(-x) * x_dot)
+log1pexp.defjvps(lambda x_dot, ans, x: _sigmoid(x) * x_dot)
 
 
 # --------------------------------------------------------------------------------------
@@ -98,9 +108,7 @@ def with_derivative(fun: Callable, deriv: Callable) -> Callable:
     if not callable(fun):
         raise TypeError(f"with_derivative: `fun` must be callable, got {type(fun).__name__}.")
     if not callable(deriv):
-        raise TypeError(
-            f"with_derivative: `deriv` must be callable, got {type(deriv).__name__}."
-        )
+        raise TypeError(f"with_derivative: `deriv` must be callable, got {type(deriv).__name__}.")
 
     wrapped = jax.custom_jvp(fun)
 

@@ -35,12 +35,15 @@ class Info(NamedTuple):
       residual: the final error measure (max-norm) the stopping test used.
       residual_history: ``(max_steps,)`` error after each step, NaN past ``num_steps``;
         ``None`` unless the solver was asked for ``full_output``.
+      status: int array naming why a solve failed, for solvers that can tell (``0``: no
+        particular reason, ``k > 0``: the solver's ``reasons[k - 1]``); ``None`` otherwise.
     """
 
     converged: Any
     num_steps: Any
     residual: Any
     residual_history: Any = None
+    status: Any = None
 
 
 def max_norm(tree):
@@ -85,18 +88,23 @@ def iterate(step, state, *, rtol, atol, max_steps, record_history=False, error_d
     return state, info
 
 
-def _failure_message(solver, converged, num_steps, residual, max_steps):
+def _failure_message(solver, converged, num_steps, residual, max_steps, status=None, reasons=()):
     converged, num_steps, residual = map(np.asarray, (converged, num_steps, residual))
     failed = ~converged
+    num_steps = np.broadcast_to(num_steps, failed.shape)
+    residual = np.broadcast_to(residual, failed.shape)
+    status = np.broadcast_to(np.asarray(0 if status is None else status), failed.shape)
     if failed.ndim == 0:
-        steps, res = int(num_steps), float(residual)
+        steps, res, code = int(num_steps), float(residual), int(status)
         where = ""
     else:
         idx = np.argwhere(failed)
         first = tuple(int(i) for i in idx[0])
-        steps, res = int(num_steps[first]), float(residual[first])
+        steps, res, code = int(num_steps[first]), float(residual[first]), int(status[first])
         where = f" ({idx.shape[0]} of {failed.size} batch elements failed; first at index {first})"
-    if not np.isfinite(res):
+    if 0 < code <= len(reasons):
+        why = f"{reasons[code - 1]} ({steps} steps taken, final residual {res:.3e})"
+    elif not np.isfinite(res):
         why = f"the residual became non-finite ({res}) at step {steps}"
     else:
         why = f"{steps} steps taken (max_steps={max_steps}), final residual {res:.3e}"
@@ -106,27 +114,33 @@ def _failure_message(solver, converged, num_steps, residual, max_steps):
     )
 
 
-def _raise_if_failed(converged, num_steps, residual, *, solver, max_steps):
+def _raise_if_failed(converged, num_steps, residual, *, solver, max_steps, status=None, reasons=()):
     if not np.all(np.asarray(converged)):
-        raise ConvergenceError(_failure_message(solver, converged, num_steps, residual, max_steps))
+        raise ConvergenceError(
+            _failure_message(solver, converged, num_steps, residual, max_steps, status, reasons)
+        )
 
 
-def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps):
+def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, reasons=()):
     """Apply ``on_failure`` inside a trace.
 
     ``"nan"`` fills the solution of failed solves (only those batch elements) with NaN;
     ``"raise"`` with ``check="callback"`` raises from a host callback at run time (the
     eager path, ``check="host"``, raises in :func:`dispatch` instead); ``"ignore"``
-    returns the last iterate.
+    returns the last iterate. ``reasons`` are the texts of ``info.status`` codes 1, 2, ...
     """
     if on_failure == "nan":
         x = jax.tree.map(lambda leaf: jnp.where(info.converged, leaf, jnp.nan), x)
     elif on_failure == "raise" and check == "callback":
+        status = 0 if info.status is None else info.status
         jax.debug.callback(
-            lambda c, n, r: _raise_if_failed(c, n, r, solver=solver, max_steps=max_steps),
+            lambda c, n, r, s: _raise_if_failed(
+                c, n, r, solver=solver, max_steps=max_steps, status=s, reasons=reasons
+            ),
             info.converged,
             info.num_steps,
             info.residual,
+            status,
         )
     return x
 
@@ -136,11 +150,11 @@ def _under_transformation() -> bool:
     return not _jax_core.trace_state_clean()
 
 
-def dispatch(jitted, *args, solver, on_failure, full_output, max_steps, **static):
+def dispatch(jitted, *args, solver, on_failure, full_output, max_steps, reasons=(), **static):
     """Call a solver's jitted implementation and apply the eager failure check.
 
     ``jitted(*args, check=..., solver=..., on_failure=..., max_steps=..., **static)``
-    must return ``(x, info)``.
+    must return ``(x, info)``; ``reasons`` are the texts of ``info.status`` codes.
     """
     check = "callback" if _under_transformation() else "host"
     x, info = jitted(
@@ -148,6 +162,12 @@ def dispatch(jitted, *args, solver, on_failure, full_output, max_steps, **static
     )
     if check == "host" and on_failure == "raise":
         _raise_if_failed(
-            info.converged, info.num_steps, info.residual, solver=solver, max_steps=max_steps
+            info.converged,
+            info.num_steps,
+            info.residual,
+            solver=solver,
+            max_steps=max_steps,
+            status=info.status,
+            reasons=reasons,
         )
     return (x, info) if full_output else x

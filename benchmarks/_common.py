@@ -1,0 +1,109 @@
+"""Shared benchmark helpers: timing, compile time, XLA memory, tables with ratios.
+
+Every suite builds rows with :func:`measure` (or by hand) and prints them with
+:func:`print_table`, which adds a ratio column (this project / best peer) per metric.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax
+
+OURS = "ours"  # the `group` of rows that belong to this project
+
+
+@dataclass
+class Row:
+    name: str
+    group: str  # OURS or "peer"
+    values: dict = field(default_factory=dict)
+
+
+def compile_time(fn, *args):
+    """Seconds to lower and compile ``jax.jit(fn)`` for ``args``; returns (seconds, compiled)."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - start, compiled
+
+
+def temp_memory_bytes(compiled):
+    """XLA temporary (scratch) memory of a compiled function, in bytes (None if unknown)."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return None
+    if analysis is None:
+        return None
+    return int(analysis.temp_size_in_bytes)
+
+
+def run_time(fn, *args, repeat=20, min_time=0.2):
+    """Median seconds of ``fn(*args)`` (blocked until ready), after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < repeat or (time.perf_counter() - start_all) < min_time:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+        if len(times) >= 10 * repeat:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _fmt(value):
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        return f"{value:.2e}"
+    return f"{value:.3g}"
+
+
+def print_table(title, rows, columns, ratio_columns=(), lower_is_better=True):
+    """Print rows as a table; for each metric in ``ratio_columns`` add ``metric/best peer``.
+
+    The ratio is this project's value divided by the best (smallest) peer value, so a
+    ratio below 1 means this project wins.
+    """
+    peers = [r for r in rows if r.group != OURS]
+    best = {}
+    for col in ratio_columns:
+        vals = [r.values.get(col) for r in peers]
+        vals = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+        best[col] = min(vals) if vals else None
+    header = ["method"] + list(columns) + [f"{c} / best peer" for c in ratio_columns]
+    lines = []
+    for r in rows:
+        cells = [r.name] + [_fmt(r.values.get(c)) for c in columns]
+        for col in ratio_columns:
+            v, b = r.values.get(col), best[col]
+            ok = r.group == OURS and isinstance(v, (int, float)) and b
+            cells.append(f"{v / b:.2f}x" if ok else "")
+        lines.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for cells in lines:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |")
+    if ratio_columns:
+        named = ", ".join(
+            f"{c}: {next(r.name for r in peers if r.values.get(c) == best[c])}"
+            for c in ratio_columns
+            if best[c]
+        )
+        print(f"\nbest peer per metric: {named}")

@@ -1,0 +1,255 @@
+"""The implicit-function-theorem engine: custom_root / custom_fixed_point and linear solvers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+import implicit
+from implicit import custom_fixed_point, custom_root, linear
+
+LINEAR = ["gmres", "bicgstab", "dense", "neumann", "jfb"]
+
+
+def _newton_update(x, a):
+    return 0.5 * (x + a / x)
+
+
+def _while_fixed_point(f, x0, a):
+    # The seed notebook's loop: iterate until successive iterates agree to 1e-6.
+    def cond(carry):
+        prev, x = carry
+        return jnp.abs(prev - x) > 1e-6
+
+    def body(carry):
+        return carry[1], f(carry[1], a)
+
+    return jax.lax.while_loop(cond, body, (x0, f(x0, a)))[1]
+
+
+def _newton_sqrt(rule="vjp", linear_solver="gmres"):
+    solver = custom_fixed_point(_newton_update, rule=rule, linear_solver=linear_solver)(
+        lambda x0, a: _while_fixed_point(_newton_update, x0, a)
+    )
+    return lambda a: solver(a, a)
+
+
+@pytest.mark.parametrize("linear_solver", LINEAR)
+def test_seed_newton_sqrt_numbers(linear_solver):
+    # The notebook's values: sqrt(2), 1/(2 sqrt 2), -1/(4 * 2^1.5), computed independently.
+    newton_sqrt = _newton_sqrt(linear_solver=linear_solver)
+    np.testing.assert_allclose(newton_sqrt(2.0), np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(newton_sqrt)(2.0), 0.5 / np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(jax.grad(newton_sqrt))(2.0), -0.25 * 2.0**-1.5, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        jax.jit(jax.vmap(newton_sqrt))(jnp.arange(1.0, 5.0)), np.sqrt(np.arange(1.0, 5.0)),
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("linear_solver", ["gmres", "bicgstab", "dense"])
+def test_jvp_rule_forward_mode(linear_solver):
+    newton_sqrt = _newton_sqrt(rule="jvp", linear_solver=linear_solver)
+    value, tangent = jax.jvp(newton_sqrt, (2.0,), (3.0,))
+    np.testing.assert_allclose(value, np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(tangent, 3.0 * 0.5 / np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.jacfwd(newton_sqrt)(2.0), 0.5 / np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(jax.hessian(newton_sqrt)(2.0), -0.25 * 2.0**-1.5, rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(newton_sqrt)(2.0), 0.5 / np.sqrt(2.0), rtol=1e-6)
+
+
+def _linear_system_solver(rule, linear_solver):
+    # Residual A x - b(theta) with a pytree unknown; solution by a dense solve (the
+    # solver is opaque to the engine: its derivative must come from the IFT).
+    def residual(x, params):
+        A = params["A"]
+        r = A @ x["u"] + 0.1 * jnp.eye(A.shape[0], 2) @ x["v"] - params["b"]
+        s = 2.0 * x["v"] - x["u"][:2] - params["c"]
+        return {"u": r, "v": s}
+
+    @custom_root(residual, rule=rule, linear_solver=linear_solver, rtol=1e-7)
+    def solve(x0, params):
+        del x0
+        A, b, c = params["A"], params["b"], params["c"]
+        n = A.shape[0]
+        big = jnp.zeros((n + 2, n + 2))
+        big = big.at[:n, :n].set(A).at[:n, n:].set(0.1 * jnp.eye(n, 2))
+        big = big.at[n:, :2].set(-jnp.eye(2)).at[n:, n:].set(2.0 * jnp.eye(2))
+        sol = jnp.linalg.solve(big, jnp.concatenate([b, c]))
+        return {"u": sol[:n], "v": sol[n:]}
+
+    return solve
+
+
+def _params(n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    A = np.eye(n) * 3.0 + 0.3 * rng.standard_normal((n, n))
+    return {"A": jnp.asarray(A), "b": jnp.asarray(rng.standard_normal(n)),
+            "c": jnp.asarray(rng.standard_normal(2))}
+
+
+def _reference_loss_grad(params):
+    # Independent: differentiate straight through a dense solve of the same system.
+    def loss(p):
+        n = p["A"].shape[0]
+        big = jnp.zeros((n + 2, n + 2))
+        big = big.at[:n, :n].set(p["A"]).at[:n, n:].set(0.1 * jnp.eye(n, 2))
+        big = big.at[n:, :2].set(-jnp.eye(2)).at[n:, n:].set(2.0 * jnp.eye(2))
+        sol = jnp.linalg.solve(big, jnp.concatenate([p["b"], p["c"]]))
+        return jnp.sum(jnp.sin(sol))
+
+    return jax.grad(loss)(params)
+
+
+@pytest.mark.parametrize(
+    "rule,linear_solver",
+    [("vjp", "gmres"), ("vjp", "bicgstab"), ("vjp", "dense"), ("jvp", "gmres"), ("jvp", "dense"),
+     ("vjp", lambda matvec, b: linear.solve("dense", matvec, b, rtol=1e-6, atol=0.0))],
+)
+def test_pytree_gradients_match_direct_differentiation(rule, linear_solver):
+    params = _params()
+    solve = _linear_system_solver(rule, linear_solver)
+    x0 = {"u": jnp.zeros(4), "v": jnp.zeros(2)}
+
+    def loss(p):
+        x = solve(x0, p)
+        return jnp.sum(jnp.sin(x["u"])) + jnp.sum(jnp.sin(x["v"]))
+
+    grads = jax.jit(jax.grad(loss))(params)
+    expected = _reference_loss_grad(params)
+    for key in params:
+        np.testing.assert_allclose(grads[key], expected[key], rtol=2e-4, atol=2e-5)
+    # jacrev of the whole solution agrees with jacfwd of the reference-free direct solve.
+    jac = jax.jacrev(lambda b: solve(x0, {**params, "b": b})["u"])(params["b"])
+    assert jac.shape == (4, 4) and np.all(np.isfinite(jac))
+
+
+def test_initial_guess_gets_zero_cotangent():
+    newton = custom_fixed_point(_newton_update)(
+        lambda x0, a: _while_fixed_point(_newton_update, x0, a)
+    )
+    g_x0, g_a = jax.grad(lambda x0, a: newton(x0, a), argnums=(0, 1))(1.0, 2.0)
+    assert g_x0 == 0.0
+    np.testing.assert_allclose(g_a, 0.5 / np.sqrt(2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["vjp", "jvp"])
+def test_closed_over_traced_values_get_derivatives(rule):
+    def outer(theta):
+        def mapping(x, a):
+            return 0.5 * (x + theta * a / x)  # fixed point sqrt(theta * a)
+
+        solver = custom_fixed_point(mapping, rule=rule)(
+            lambda x0, a: jax.lax.fori_loop(0, 40, lambda _, x: mapping(x, a), x0)
+        )
+        return solver(1.0, 2.0)
+
+    expected = 0.5 * 2.0 / np.sqrt(2.0 * 3.0)  # d/dθ sqrt(2θ) at θ=3
+    np.testing.assert_allclose(jax.grad(outer)(3.0), expected, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(outer))(3.0), expected, rtol=1e-5)
+    if rule == "jvp":
+        np.testing.assert_allclose(jax.jacfwd(outer)(3.0), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", ["vjp", "jvp"])
+def test_has_aux_passes_aux_through(rule):
+    def solver(x0, a):
+        x = jax.lax.fori_loop(0, 40, lambda _, x: _newton_update(x, a), x0)
+        return x, {"steps": jnp.int32(40), "last": x}
+
+    solve = custom_fixed_point(_newton_update, has_aux=True, rule=rule)(solver)
+    x, aux = solve(1.0, 2.0)
+    assert int(aux["steps"]) == 40
+    g = jax.grad(lambda a: solve(1.0, a)[0])(2.0)
+    np.testing.assert_allclose(g, 0.5 / np.sqrt(2.0), rtol=1e-6)
+
+
+def test_scipy_solver_through_pure_callback(x64):
+    # A user's SciPy solver becomes differentiable by the decorator alone.
+    def residual(x, a):
+        return x**3 + a * x - 1.0
+
+    def scipy_solve(x0, a):
+        def host(x0, a):
+            sol = scipy.optimize.root(lambda x: x**3 + a * x - 1.0, x0, tol=1e-13)
+            return np.asarray(sol.x, dtype=np.float64)
+
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x0.shape, x0.dtype), x0, a,
+                                 vmap_method="sequential")
+
+    solve = custom_root(residual)(scipy_solve)
+    a = jnp.array(2.0)
+    x = solve(jnp.zeros(1), a)
+    # dx/da = -x / (3x^2 + a) from the implicit function theorem by hand.
+    expected = -x[0] / (3 * x[0] ** 2 + a)
+    np.testing.assert_allclose(jax.grad(lambda a: solve(jnp.zeros(1), a)[0])(a), expected,
+                               rtol=1e-9)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda a: solve(jnp.zeros(1), a)[0]))(a),
+                               expected, rtol=1e-9)
+
+
+def test_vmap_of_grad_and_batched_solve():
+    newton_sqrt = _newton_sqrt()
+    a = jnp.array([1.0, 2.0, 9.0])
+    np.testing.assert_allclose(jax.vmap(jax.grad(newton_sqrt))(a), 0.5 / np.sqrt(a), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["gmres", "bicgstab", "cg", "dense"])
+def test_linear_solve_methods(method):
+    rng = np.random.default_rng(1)
+    M = rng.standard_normal((6, 6))
+    A = jnp.asarray(M @ M.T + 6 * np.eye(6))  # SPD so cg applies
+    b = {"p": jnp.asarray(rng.standard_normal(4)), "q": jnp.asarray(rng.standard_normal(2))}
+
+    def matvec(v):
+        flat = jnp.concatenate([v["p"], v["q"]])
+        out = A @ flat
+        return {"p": out[:4], "q": out[4:]}
+
+    x = linear.solve(method, matvec, b, rtol=1e-6, atol=0.0)
+    expected = np.linalg.solve(np.asarray(A), np.concatenate([b["p"], b["q"]]))
+    np.testing.assert_allclose(np.concatenate([x["p"], x["q"]]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_neumann_and_jfb_semantics():
+    # For F(x) = f(x) - x the system is (J - I) w = b: Neumann sums the series, JFB takes -b.
+    J = jnp.array([[0.5, 0.1], [0.0, 0.3]])
+    b = jnp.array([1.0, -2.0])
+    matvec = lambda w: J @ w - w  # noqa: E731
+    w = linear.solve("neumann", matvec, b, rtol=1e-7, atol=0.0)
+    np.testing.assert_allclose(w, np.linalg.solve(np.asarray(J) - np.eye(2), b), rtol=1e-5)
+    np.testing.assert_allclose(linear.solve("jfb", matvec, b, rtol=1e-7, atol=0.0), -b)
+    # A divergent Neumann series is reported as NaN, never as a silent wrong number.
+    diverging = lambda w: 1.5 * w - w  # noqa: E731  (J = 1.5 I)
+    assert np.all(np.isnan(linear.solve("neumann", diverging, b, rtol=1e-7, atol=0.0)))
+
+
+def test_decorator_bad_input():
+    with pytest.raises(TypeError, match="`residual` must be callable"):
+        custom_root(3.0)
+    with pytest.raises(ValueError, match="unknown `linear_solver`='lu'.*'gmres'"):
+        custom_root(lambda x: x, linear_solver="lu")
+    with pytest.raises(ValueError, match="unknown `rule`='fwd'.*'vjp', 'jvp'"):
+        custom_root(lambda x: x, rule="fwd")
+    with pytest.raises(ValueError, match="rule='jvp'"):
+        custom_fixed_point(lambda x: x, rule="jvp", linear_solver="neumann")
+    with pytest.raises(ValueError, match="`rtol` must be a positive"):
+        custom_root(lambda x: x, rtol=-1.0)
+    with pytest.raises(TypeError, match="`solver` must be callable"):
+        custom_root(lambda x: x)("not a solver")
+    # A residual whose output does not match the unknown's shape is caught at trace time.
+    solve = custom_root(lambda x, a: jnp.sum(x) - a)(lambda x0, a: x0)
+    with pytest.raises(ValueError, match="residual\\(x0, \\*args\\).*shape"):
+        solve(jnp.zeros(3), 1.0)
+    bad_solver = custom_root(lambda x, a: x - a)(lambda x0, a: jnp.zeros(2))
+    with pytest.raises(ValueError, match="solver's solution.*shape"):
+        bad_solver(jnp.zeros(3), 1.0)
+
+
+def test_public_names():
+    assert implicit.custom_root is custom_root
+    assert implicit.custom_fixed_point is custom_fixed_point
+    assert set(linear.LINEAR_SOLVERS) == {"gmres", "bicgstab", "cg", "dense", "neumann", "jfb"}
