@@ -83,7 +83,7 @@ def as_floating(tree, name: str):
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         raise ValueError(f"`{name}` must contain at least one array, got {tree!r:.80}")
-    float_dtype = jnp.zeros(()).dtype  # float32, or float64 under jax_enable_x64
+    float_dtype = jax.dtypes.canonicalize_dtype(np.float64)  # float32 unless x64 is on
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         where = f"`{name}`" + jax.tree_util.keystr(path)
@@ -97,13 +97,22 @@ def as_floating(tree, name: str):
             ) from None
         if jnp.issubdtype(dtype, jnp.complexfloating):
             raise TypeError(f"{where} must be real floating, got complex dtype {dtype}")
+        # NumPy conversions keep eager calls cheap; jit takes NumPy arrays as they are.
         if jnp.issubdtype(dtype, jnp.floating):
-            out.append(jnp.asarray(leaf))
+            out.append(leaf if hasattr(leaf, "dtype") else np.asarray(leaf, dtype))
         elif jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
-            out.append(jnp.asarray(leaf, dtype=float_dtype))
+            out.append(as_scalar(leaf, float_dtype) if jnp.ndim(leaf) == 0
+                       else jnp.asarray(leaf, dtype=float_dtype))
         else:
             raise TypeError(f"{where} must be a floating array, got dtype {dtype}")
     return jax.tree.unflatten(treedef, out)
+
+
+def as_scalar(value, dtype):
+    """A concrete scalar as a NumPy array of ``dtype`` (cheap); a traced one via jnp."""
+    if isinstance(value, jax.core.Tracer):
+        return jnp.asarray(value, dtype)
+    return np.asarray(value, dtype)
 
 
 def check_like(out, ref, out_name: str, ref_name: str) -> None:
@@ -184,3 +193,36 @@ def check_scalar_function_output(out, x, fn_name: str, x_name: str) -> None:
             f"got {jax.tree.structure(out)}"
         )
     check_like(out, x, fn_name, x_name)
+
+
+def check_times(ts, name: str = "ts", dtype=None):
+    """Output times: a non-empty 1-D real array, strictly increasing (checked when concrete).
+
+    Returns ``ts`` as an array of the floating ``dtype`` (default: the default float).
+    """
+    if ts is None or isinstance(ts, (str, bytes)):
+        raise TypeError(f"`{name}` must be a 1-D array of times, got {type(ts).__name__}")
+    try:
+        arr = ts if isinstance(ts, jax.core.Tracer) else jnp.asarray(ts)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a 1-D array of times, got {type(ts).__name__}: {ts!r:.80}"
+        ) from None
+    if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise TypeError(f"`{name}` must be a real array of times, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(
+            f"`{name}` must be a non-empty 1-D array of times, got shape {tuple(arr.shape)}"
+        )
+    if _is_concrete(arr):
+        values = np.asarray(arr, dtype=np.float64)
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"`{name}` must be finite, got {values!r:.120}")
+        bad = np.flatnonzero(np.diff(values) <= 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"`{name}` must be strictly increasing: {name}[{i}]={values[i]!r} is followed "
+                f"by {name}[{i + 1}]={values[i + 1]!r}"
+            )
+    return jnp.asarray(arr, dtype=dtype or jnp.zeros(()).dtype)
