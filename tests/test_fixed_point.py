@@ -166,8 +166,9 @@ def test_non_convergence_raises_eagerly_with_details():
 
 
 def test_non_convergence_raises_under_jit_and_vmap():
+    jitted = jax.jit(lambda a: solvers.fixed_point(_slow, 0.0, a, max_steps=5))
     with pytest.raises(Exception, match="did not converge.*5 steps"):
-        jax.block_until_ready(jax.jit(lambda a: solvers.fixed_point(_slow, 0.0, a, max_steps=5))(1.0))
+        jax.block_until_ready(jitted(1.0))
     batched = jax.vmap(lambda a: solvers.fixed_point(_slow, 0.0, a, max_steps=5))
     with pytest.raises(Exception, match="did not converge"):
         jax.block_until_ready(batched(jnp.array([0.0, 1.0])))
