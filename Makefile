@@ -32,6 +32,10 @@ test-slow: $(STAMP)
 bench: $(VENV)/.bench
 	MPLBACKEND=Agg $(PY) -m benchmarks
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --quiet
+	@echo "documentation site written to site/"
+
 lint: $(STAMP)
 	$(PY) -m ruff check implicit solvers tests benchmarks
 
