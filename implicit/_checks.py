@@ -32,12 +32,12 @@ def check_choice(value, name: str, choices) -> None:
         raise ValueError(f"unknown `{name}`={value!r}; valid values are: {valid}")
 
 
-def check_linear_solver(linear_solver, rule: str = "vjp") -> None:
+def check_linear_solver(linear_solver, rule: str = "vjp", extra=()) -> None:
     from implicit.linear import LINEAR_METHODS, LINEAR_SOLVERS
 
-    if callable(linear_solver):
+    if callable(linear_solver) or linear_solver in extra:
         return
-    names = LINEAR_SOLVERS + ("<a callable (matvec, b) -> x>",)
+    names = tuple(extra) + LINEAR_SOLVERS + ("<a callable (matvec, b) -> x>",)
     check_choice(linear_solver, "linear_solver", names)
     if rule == "jvp" and linear_solver not in LINEAR_METHODS:
         valid = ", ".join(repr(c) for c in LINEAR_METHODS)
@@ -164,13 +164,15 @@ def check_args(args, name: str = "args"):
         )
 
 
-def check_common_options(*, rtol, atol, max_steps, rule, linear_solver, on_failure):
+def check_common_options(
+    *, rtol, atol, max_steps, rule, linear_solver, on_failure, extra_linear_solvers=()
+):
     """The options every fixed-point and root solver shares (SPEC 'Options')."""
     check_positive(rtol, "rtol")
     check_positive(atol, "atol")
     check_max_steps(max_steps)
     check_choice(rule, "rule", RULES)
-    check_linear_solver(linear_solver, rule)
+    check_linear_solver(linear_solver, rule, extra_linear_solvers)
     check_choice(on_failure, "on_failure", ON_FAILURE)
 
 
@@ -222,7 +224,7 @@ def check_times(ts, name: str = "ts", dtype=None):
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"`{name}` must be strictly increasing: {name}[{i}]={values[i]!r} is followed "
-                f"by {name}[{i + 1}]={values[i + 1]!r}"
+                f"`{name}` must be strictly increasing: {name}[{i}]={float(values[i])!r} is "
+                f"followed by {name}[{i + 1}]={float(values[i + 1])!r}"
             )
     return jnp.asarray(arr, dtype=dtype or jnp.zeros(()).dtype)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _checks, linear
+from implicit._host import host_check
 
 __all__ = ["custom_root", "custom_fixed_point"]
 
@@ -28,6 +29,7 @@ def custom_root(
     rtol=None,
     atol=None,
     max_steps=None,
+    on_failure="raise",
 ):
     """Decorate a root solver so that its derivatives come from the implicit function theorem.
 
@@ -46,12 +48,17 @@ def custom_root(
       has_aux: the solver returns ``(x, aux)``; ``aux`` is passed through undifferentiated.
       rule: ``"vjp"`` (a ``jax.custom_vjp`` rule: reverse mode, any order) or ``"jvp"``
         (a ``jax.custom_jvp`` rule with a transposable tangent solve: ``jax.jvp``,
-        ``jax.jacfwd``, ``jax.hessian`` and reverse mode).
+        ``jax.jacfwd``, ``jax.hessian`` and reverse mode; the tangent solve must stay
+        linear, so ``on_failure`` does not check it).
       rtol, atol: tolerances of the adjoint linear solve (``norm(A w - b) <= atol +
         rtol * norm(b)``); by default they follow the dtype (1e-5 float32, 1e-8 float64).
         Solvers in :mod:`solvers` pass their own forward tolerances here, so a gradient
         is as accurate as the solution.
       max_steps: iteration cap of the adjoint linear solve.
+      on_failure: what an adjoint linear solve that misses its tolerance does (checked
+        with one extra product): ``"raise"`` (default; a runtime error naming the
+        linear solver and the residual, also under ``jit``/``vmap``), ``"nan"``
+        (NaN derivatives) or ``"ignore"``.
 
     Returns:
       A decorator turning ``solver`` into ``solver(x0, *args)`` with implicit derivatives.
@@ -73,6 +80,7 @@ def custom_root(
     _checks.check_linear_solver(linear_solver, rule)
     _checks.check_positive(rtol, "rtol")
     _checks.check_positive(atol, "atol")
+    _checks.check_choice(on_failure, "on_failure", _checks.ON_FAILURE)
     if max_steps is not None:
         _checks.check_max_steps(max_steps)
 
@@ -82,7 +90,8 @@ def custom_root(
         @functools.wraps(solver)
         def wrapped(x0, *args):
             return _implicit_solve(
-                residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, max_steps
+                residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, max_steps,
+                on_failure,
             )
 
         return wrapped
@@ -123,7 +132,9 @@ def _zero_tangent(leaf):
     return np.zeros(leaf.shape, dtype=jax.dtypes.float0)
 
 
-def _implicit_solve(residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, steps):
+def _implicit_solve(
+    residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, steps, on_failure
+):
     # Closure conversion: traced values that `residual` or `solver` close over become
     # explicit inputs, so derivatives reach the residual's ones and the solver's ones
     # receive zero (the solver's dependence is entirely captured by the residual).
@@ -149,8 +160,16 @@ def _implicit_solve(residual, solver, x0, args, linear_solver, has_aux, rule, rt
     def split(out):
         return (out[0], out[1]) if has_aux else (out, None)
 
-    def linear_solve(matvec, b, tol):
-        return linear.solve(linear_solver, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
+    def linear_solve(matvec, b, tol, check=True):
+        x = linear.solve(linear_solver, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
+        if on_failure == "ignore" or not check:
+            return x
+        ok, relative = linear.converged(
+            linear_solver, matvec, b, x, rtol=tol[0], atol=tol[1]
+        )
+        if on_failure == "raise":
+            ok = host_check(ok, _adjoint_failure(linear_solver), (ok, relative, tol[0]))
+        return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
     if rule == "vjp":
 
@@ -189,9 +208,34 @@ def _implicit_solve(residual, solver, x0, args, linear_solver, has_aux, rule, rt
                 lambda a, c: residual_fn(x, *a, *c), (args, consts), (args_dot, consts_dot)
             )
             _, matvec = jax.linearize(lambda y: residual_fn(y, *args, *consts), x)
-            x_dot = linear_solve(matvec, jax.tree.map(jnp.negative, rhs), tol)
+            # The tangent solve must stay linear in the tangents (it is transposed for
+            # reverse mode), so its convergence is not checked here.
+            x_dot = linear_solve(matvec, jax.tree.map(jnp.negative, rhs), tol, check=False)
             if has_aux:
                 return out, (x_dot, jax.tree.map(_zero_tangent, aux))
             return out, x_dot
 
     return solve(x0, args, residual_consts, solver_consts, tol)
+
+
+class AdjointSolveError(RuntimeError):
+    """The linear solve of an implicit derivative missed its tolerance."""
+
+
+def _adjoint_failure(linear_solver):
+    name = linear_solver if isinstance(linear_solver, str) else "<callable>"
+
+    def report(operands):
+        ok, relative, rtol = (np.asarray(v) for v in operands)
+        if np.all(ok):
+            return
+        worst = float(np.nanmax(np.where(ok, 0.0, np.nan_to_num(relative, nan=np.inf))))
+        raise AdjointSolveError(
+            f"implicit differentiation: the adjoint linear solve (linear_solver={name!r}) "
+            f"did not converge: relative residual {worst:.3e}, tolerance rtol={float(rtol):.1e}"
+            f" ({int((~ok).sum())} of {ok.size} solves failed). Try linear_solver='gmres' or "
+            "'dense', a larger max_steps, or check that the Jacobian of the residual is "
+            "nonsingular at the solution (it is singular where the solution is not unique)."
+        )
+
+    return report

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as _jax_core
 
+from implicit._host import host_check
+
 __all__ = ["ConvergenceError", "Info", "iterate", "max_norm", "dispatch", "apply_failure_policy"]
 
 
@@ -48,7 +50,10 @@ class Info(NamedTuple):
 
 def max_norm(tree):
     """Largest absolute entry of a pytree of arrays."""
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in jax.tree.leaves(tree)]))
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) == 1:
+        return jnp.max(jnp.abs(leaves[0]))
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
 
 
 def iterate(step, state, *, rtol, atol, max_steps, record_history=False, error_dtype=None):
@@ -114,35 +119,59 @@ def _failure_message(solver, converged, num_steps, residual, max_steps, status=N
     )
 
 
-def _raise_if_failed(converged, num_steps, residual, *, solver, max_steps, status=None, reasons=()):
-    if not np.all(np.asarray(converged)):
-        raise ConvergenceError(
-            _failure_message(solver, converged, num_steps, residual, max_steps, status, reasons)
+def _raise_described(info, *, describe):
+    # `describe(info)` (NumPy leaves, batched under vmap) writes the whole message.
+    info = jax.tree.map(np.asarray, info)
+    if not np.all(info.converged):
+        raise ConvergenceError(describe(info))
+
+
+def _default_describe(solver, max_steps, reasons):
+    def describe(info):
+        return _failure_message(
+            solver, info.converged, info.num_steps, info.residual, max_steps, info.status, reasons
         )
 
+    return describe
 
-def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, reasons=()):
+
+def apply_failure_policy(
+    x, info, *, solver, on_failure, check, max_steps, reasons=(), describe=None
+):
     """Apply ``on_failure`` inside a trace.
 
     ``"nan"`` fills the solution of failed solves (only those batch elements) with NaN;
     ``"raise"`` with ``check="callback"`` raises from a host callback at run time (the
     eager path, ``check="host"``, raises in :func:`dispatch` instead); ``"ignore"``
-    returns the last iterate. ``reasons`` are the texts of ``info.status`` codes 1, 2, ...
+    returns the last iterate. ``reasons`` are the texts of ``info.status`` codes 1, 2, ...;
+    a solver whose message needs run-time values (an ODE's time reached) passes
+    ``describe(info) -> str`` instead.
     """
     if on_failure == "nan":
-        x = jax.tree.map(lambda leaf: jnp.where(info.converged, leaf, jnp.nan), x)
-    elif on_failure == "raise" and check == "callback":
-        status = 0 if info.status is None else info.status
-        jax.debug.callback(
-            lambda c, n, r, s: _raise_if_failed(
-                c, n, r, solver=solver, max_steps=max_steps, status=s, reasons=reasons
-            ),
-            info.converged,
-            info.num_steps,
-            info.residual,
-            status,
+        return jax.tree.map(lambda leaf: jnp.where(info.converged, leaf, jnp.nan), x)
+    if on_failure == "raise" and check == "callback":
+        describe = describe or _default_describe(solver, max_steps, reasons)
+        checked = {k: v for k, v in info._asdict().items() if v is not None}
+        checked.pop("residual_history", None)
+        ok = host_check(
+            info.converged, lambda i: _raise_described(info._replace(**i), describe=describe),
+            checked,
         )
+        # Folding the check's result into the output keeps it from being dropped; it is
+        # always True when it returns (the host raises otherwise).
+        return jax.tree.map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
     return x
+
+
+def _callback_if_failed(callback, converged, *operands):
+    # Transitional (the ODE adjoint still calls it): an effectful callback taken only on
+    # failure. New code uses `host_check`.
+    jax.lax.cond(
+        jnp.all(converged),
+        lambda *_: None,
+        lambda *ops: jax.debug.callback(callback, *ops),
+        *operands,
+    )
 
 
 def _under_transformation() -> bool:
@@ -150,24 +179,19 @@ def _under_transformation() -> bool:
     return not _jax_core.trace_state_clean()
 
 
-def dispatch(jitted, *args, solver, on_failure, full_output, max_steps, reasons=(), **static):
+def dispatch(
+    jitted, *args, solver, on_failure, full_output, max_steps, reasons=(), describe=None, **static
+):
     """Call a solver's jitted implementation and apply the eager failure check.
 
     ``jitted(*args, check=..., solver=..., on_failure=..., max_steps=..., **static)``
-    must return ``(x, info)``; ``reasons`` are the texts of ``info.status`` codes.
+    must return ``(x, info)``; ``reasons`` are the texts of ``info.status`` codes;
+    ``describe(info) -> str``, if given, writes the whole failure message instead.
     """
     check = "callback" if _under_transformation() else "host"
     x, info = jitted(
         *args, check=check, solver=solver, on_failure=on_failure, max_steps=max_steps, **static
     )
     if check == "host" and on_failure == "raise":
-        _raise_if_failed(
-            info.converged,
-            info.num_steps,
-            info.residual,
-            solver=solver,
-            max_steps=max_steps,
-            status=info.status,
-            reasons=reasons,
-        )
+        _raise_described(info, describe=describe or _default_describe(solver, max_steps, reasons))
     return (x, info) if full_output else x

@@ -28,7 +28,7 @@ def fixed_point(
     atol=None,
     max_steps=1000,
     rule="vjp",
-    linear_solver="gmres",
+    linear_solver="auto",
     on_failure="raise",
     full_output=False,
 ):
@@ -54,7 +54,12 @@ def fixed_point(
         1e-8/1e-10 in float64); the adjoint linear solve uses the same ``rtol``.
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
-      linear_solver: adjoint linear solver (see :mod:`implicit.linear`).
+      linear_solver: adjoint linear solver (see :mod:`implicit.linear`). ``"auto"``
+        (default) takes ``"neumann"`` for undamped ``method="iterate"`` with
+        ``rule="vjp"`` — the adjoint iteration then converges exactly as fast as the
+        forward one did, with one VJP per step and no Krylov overhead — and
+        ``"gmres"`` otherwise. A backward solve that misses its tolerance follows
+        ``on_failure`` (never a silently wrong gradient).
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info` with ``converged``,
         ``num_steps``, ``residual`` and ``residual_history``.
@@ -77,6 +82,7 @@ def fixed_point(
         rule=rule,
         linear_solver=linear_solver,
         on_failure=on_failure,
+        extra_linear_solvers=("auto",),
     )
     _checks.check_positive(damping, "damping", allow_none=False)
     if _checks._is_concrete(damping) and float(damping) > 1:
@@ -84,6 +90,9 @@ def fixed_point(
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_positive(regularization, "regularization", allow_none=False)
     _checks.check_args(args)
+    if linear_solver == "auto":
+        plain = method == "iterate" and _checks._is_concrete(damping) and float(damping) == 1
+        linear_solver = "neumann" if plain and rule == "vjp" else "gmres"
     x0 = _checks.as_floating(x0, "x0")
     default_rtol, default_atol = _checks.default_tolerances(x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
@@ -148,7 +157,15 @@ def _solve(
         functools.partial(_anderson_init, history_size=history_size),
     )
 
-    @custom_fixed_point(f, linear_solver=linear_solver, has_aux=True, rule=rule, rtol=rtol)
+    @custom_fixed_point(
+        f,
+        linear_solver=linear_solver,
+        has_aux=True,
+        rule=rule,
+        rtol=rtol,
+        max_steps=max_steps,
+        on_failure=on_failure,
+    )
     def solve(x0, *args):
         step = make_step(lambda x: f(x, *args), damping, regularization)
         state, info = _loop.iterate(

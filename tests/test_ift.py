@@ -253,3 +253,19 @@ def test_public_names():
     assert implicit.custom_root is custom_root
     assert implicit.custom_fixed_point is custom_fixed_point
     assert set(linear.LINEAR_SOLVERS) == {"gmres", "bicgstab", "cg", "dense", "neumann", "jfb"}
+
+
+def test_adjoint_solve_failure_is_loud():
+    # x = 1.5 x - a has the fixed point 2a, but the Neumann series of J = 1.5 diverges:
+    # the gradient must not come back as a silent NaN or a wrong number.
+    mapping = lambda x, a: 1.5 * x - a
+    solve = custom_fixed_point(mapping, linear_solver="neumann")(lambda x0, a: 2.0 * a)
+    with pytest.raises(Exception, match="adjoint linear solve.*'neumann'.*did not converge"):
+        jax.block_until_ready(jax.grad(solve, argnums=1)(0.0, 1.0))
+    quiet = custom_fixed_point(mapping, linear_solver="neumann", on_failure="nan")(
+        lambda x0, a: 2.0 * a
+    )
+    assert np.isnan(jax.grad(quiet, argnums=1)(0.0, 1.0))
+    # GMRES handles the same system: d(2a)/da = 2.
+    exact = custom_fixed_point(mapping)(lambda x0, a: 2.0 * a)
+    np.testing.assert_allclose(jax.grad(exact, argnums=1)(0.0, 1.0), 2.0, rtol=1e-6)
