@@ -55,6 +55,25 @@ def run_time(fn, *args, repeat=20, min_time=0.2):
     return times[len(times) // 2]
 
 
+def run_times_interleaved(calls, rounds=20, statistic="min"):
+    """Seconds per call for each ``name -> zero-argument callable``, timed round-robin.
+
+    Every callable is warmed up once, then each round times one call of each in turn, so
+    that load from other processes on a shared machine hits all of them alike. Returns
+    ``name -> seconds`` (the fastest call, or the median with ``statistic="median"``).
+    """
+    for fn in calls.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    pick = min if statistic == "min" else (lambda ts: sorted(ts)[len(ts) // 2])
+    return {name: pick(ts) for name, ts in times.items()}
+
+
 def _fmt(value):
     if value is None:
         return "-"
