@@ -14,6 +14,9 @@ from solvers import _loop
 __all__ = ["fixed_point"]
 
 METHODS = ("iterate", "anderson")
+#: ``linear_solver="auto"`` materialises the adjoint matrix up to this many unknowns
+#: (cheaper to compile and to run than a Krylov method at that size).
+DENSE_MAX_SIZE = 64
 
 
 def fixed_point(
@@ -57,8 +60,8 @@ def fixed_point(
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`). ``"auto"``
         (default) takes ``"neumann"`` for undamped ``method="iterate"`` with
         ``rule="vjp"`` — the adjoint iteration then converges exactly as fast as the
-        forward one did, with one VJP per step and no Krylov overhead — and
-        ``"gmres"`` otherwise. A backward solve that misses its tolerance follows
+        forward one did, with one VJP per step and no Krylov overhead — and otherwise
+        ``"dense"`` up to ``DENSE_MAX_SIZE`` unknowns, ``"gmres"`` above. A backward solve that misses its tolerance follows
         ``on_failure`` (never a silently wrong gradient).
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info` with ``converged``,
@@ -90,10 +93,14 @@ def fixed_point(
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_positive(regularization, "regularization", allow_none=False)
     _checks.check_args(args)
+    x0 = _checks.as_floating(x0, "x0")
     if linear_solver == "auto":
         plain = method == "iterate" and _checks._is_concrete(damping) and float(damping) == 1
-        linear_solver = "neumann" if plain and rule == "vjp" else "gmres"
-    x0 = _checks.as_floating(x0, "x0")
+        size = sum(jnp.size(leaf) for leaf in jax.tree.leaves(x0))
+        if plain and rule == "vjp":
+            linear_solver = "neumann"
+        else:
+            linear_solver = "dense" if size <= DENSE_MAX_SIZE else "gmres"
     default_rtol, default_atol = _checks.default_tolerances(x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     return _loop.dispatch(
