@@ -61,8 +61,9 @@ def fixed_point(
         (default) takes ``"neumann"`` for undamped ``method="iterate"`` with
         ``rule="vjp"`` — the adjoint iteration then converges exactly as fast as the
         forward one did, with one VJP per step and no Krylov overhead — and otherwise
-        ``"dense"`` up to ``DENSE_MAX_SIZE`` unknowns, ``"gmres"`` above. A backward solve that misses its tolerance follows
-        ``on_failure`` (never a silently wrong gradient).
+        ``"dense"`` up to ``DENSE_MAX_SIZE`` unknowns, ``"gmres"`` above. A backward
+        solve that misses its tolerance follows ``on_failure`` (never a silently wrong
+        gradient).
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info` with ``converged``,
         ``num_steps``, ``residual`` and ``residual_history``.
