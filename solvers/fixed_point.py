@@ -54,7 +54,7 @@ def fixed_point(
       history_size: Anderson's memory (``method="anderson"``).
       regularization: Anderson's relative ridge.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
-        1e-8/1e-10 in float64); the adjoint linear solve uses the same ``rtol``.
+        1e-8/1e-10 in float64); the adjoint linear solve uses ``rtol / 10``.
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`). ``"auto"``
@@ -165,12 +165,14 @@ def _solve(
         functools.partial(_anderson_init, history_size=history_size),
     )
 
+    # The adjoint error adds to the forward one; a tenth of the forward tolerance keeps the
+    # gradient about as accurate as the solution for ~20% more backward steps.
     @custom_fixed_point(
         f,
         linear_solver=linear_solver,
         has_aux=True,
         rule=rule,
-        rtol=rtol,
+        rtol=0.1 * rtol,
         max_steps=max_steps,
         on_failure=on_failure,
     )
