@@ -7,6 +7,18 @@ under ``jit``, ``vmap``, ``grad`` and ``grad(grad)``, and takes the common optio
 """
 
 from solvers._loop import ConvergenceError, Info
+from solvers.bracket import bisection, chandrupatla
 from solvers.fixed_point import fixed_point
+from solvers.ode import odeint
+from solvers.root import newton, root
 
-__all__ = ["ConvergenceError", "Info", "fixed_point"]
+__all__ = [
+    "ConvergenceError",
+    "Info",
+    "bisection",
+    "chandrupatla",
+    "fixed_point",
+    "newton",
+    "odeint",
+    "root",
+]

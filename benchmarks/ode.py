@@ -1,0 +1,439 @@
+"""ODEs: ``solvers.odeint`` side by side with jax.experimental.ode, diffrax and SciPy.
+
+Two problems, float64 on CPU:
+
+- Lotka–Volterra ``x' = αx - βxy, y' = -γy + δxy`` with (α, β, γ, δ) = (1.5, 1, 3, 1),
+  ``y0 = (1, 1)``, 50 outputs on [0, 10], rtol = atol = 1e-6. Loss ``sum(ys²)``, gradient
+  with respect to the four parameters. Reference: DESIGN.md's tight SciPy values
+  (loss 842.503898308, gradient [32.87985, -541.66745, 504.66100, -1777.73152]).
+- Robertson (k1, k2, k3) = (0.04, 3e7, 1e4), ``y0 = (1, 0, 0)``, outputs at 0 and 11
+  log-spaced times in [1e-5, 1e5], rtol = 1e-6, atol = 1e-10. Loss
+  ``Σ_i y1(t_i) + 1e4 y2(t_i)``, gradient with respect to ``log k``. Reference: SciPy Radau
+  (rtol 1e-10, atol 1e-16, exact Jacobian) for the loss; central differences of it (step
+  1e-4 in ``log k``, rtol 1e-11) for the gradient.
+
+Columns: compile s (lower + compile of ``jit(value_and_grad(loss))``; SciPy: none),
+solve ms and grad ms (value and gradient; fastest of >= 20 calls), steps (attempted
+forward steps), RHS evals (forward solve, counted with a host callback in an untimed
+run), loss error ``|L - L_ref| / |L_ref|``, grad error ``max|g - g_ref| / max|g_ref|``.
+The work-precision plot (error against time over tolerances) is saved under
+``benchmarks/results/``.
+
+Run: ``python -m benchmarks ode``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._common import OURS, Row, compile_time, print_table, run_times_interleaved
+
+jax.config.update("jax_enable_x64", True)
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+ROUNDS = 30  # interleaved timing rounds (fastest call of each)
+COMPILE_ROUNDS = 2  # extra round-robin compilations (fastest of 1 + COMPILE_ROUNDS)
+
+LV_PARAMS = np.array([1.5, 1.0, 3.0, 1.0])
+LV_Y0 = np.array([1.0, 1.0])
+LV_TS = np.linspace(0.0, 10.0, 50)
+LV_RTOL = LV_ATOL = 1e-6
+LV_LOSS_REF = 842.503898308
+LV_GRAD_REF = np.array([32.87985, -541.66745, 504.66100, -1777.73152])
+
+ROB_K = np.array([0.04, 3e7, 1e4])
+ROB_Y0 = np.array([1.0, 0.0, 0.0])
+ROB_TS = np.concatenate([[0.0], np.logspace(-5, 5, 11)])
+ROB_RTOL, ROB_ATOL = 1e-6, 1e-10
+
+
+# --------------------------------------------------------------------------- problems
+
+
+def lotka_volterra(y, t, a, b, c, d):
+    x, z = y[0], y[1]
+    return jnp.stack([a * x - b * x * z, -c * z + d * x * z])
+
+
+def robertson(y, t, k1, k2, k3):
+    a, b, c = y[0], y[1], y[2]
+    return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b])
+
+
+def lv_loss(ys):
+    return jnp.sum(ys**2)
+
+
+def rob_loss(ys):
+    return jnp.sum(ys[:, 0] + 1e4 * ys[:, 1])
+
+
+def robertson_np(t, y, k):
+    a, b, c = y
+    k1, k2, k3 = k
+    return [-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b]
+
+
+def robertson_jac_np(t, y, k):
+    a, b, c = y
+    k1, k2, k3 = k
+    return [[-k1, k3 * c, k3 * b], [k1, -2 * k2 * b - k3 * c, -k3 * b], [0, 2 * k2 * b, 0]]
+
+
+def robertson_reference():
+    from scipy.integrate import solve_ivp
+
+    def loss(logk, rtol):
+        k = np.exp(logk)
+        sol = solve_ivp(robertson_np, (0.0, ROB_TS[-1]), ROB_Y0, method="Radau",
+                        t_eval=ROB_TS, rtol=rtol, atol=1e-16, jac=robertson_jac_np, args=(k,))
+        return float(np.sum(sol.y[0] + 1e4 * sol.y[1]))
+
+    logk = np.log(ROB_K)
+    value = loss(logk, 1e-10)
+    h = 1e-4
+    grad = np.array([(loss(logk + h * e, 1e-11) - loss(logk - h * e, 1e-11)) / (2 * h)
+                     for e in np.eye(3)])
+    return value, grad
+
+
+# --------------------------------------------------------------------------- solvers
+# Each maker returns `solve(params) -> ys` (params: the ODE's parameters; for Robertson
+# log k) and `count(params) -> (steps, fevals)` for an untimed counting run.
+
+
+def _counting(f):
+    calls = []
+
+    def counted(*a):
+        jax.debug.callback(lambda: calls.append(1))
+        return f(*a)
+
+    return counted, calls
+
+
+def ours(f, y0, ts, method, rtol, atol, log_params=False, **kw):
+    import solvers
+
+    def solve(p, f=f):
+        p = jnp.exp(p) if log_params else p
+        return solvers.odeint(f, jnp.asarray(y0), jnp.asarray(ts), *p, method=method, rtol=rtol,
+                              atol=atol, **kw)
+
+    def count(p):
+        p = jnp.exp(p) if log_params else p
+        _, info = solvers.odeint(f, jnp.asarray(y0), jnp.asarray(ts), *p, method=method,
+                                 rtol=rtol, atol=atol, full_output=True, **kw)
+        return int(info.num_steps), int(info.num_fevals)
+
+    return solve, count
+
+
+def jax_odeint(f, y0, ts, rtol, atol):
+    from jax.experimental.ode import odeint
+
+    def solve(p):
+        return odeint(f, jnp.asarray(y0), jnp.asarray(ts), *p, rtol=rtol, atol=atol)
+
+    def count(p):
+        counted, calls = _counting(f)
+        jax.block_until_ready(jax.jit(lambda p: odeint(counted, jnp.asarray(y0), jnp.asarray(ts),
+                                                       *p, rtol=rtol, atol=atol))(p))
+        return None, len(calls)
+
+    return solve, count
+
+
+def diffrax_solver(f, y0, ts, solver_name, adjoint_name, rtol, atol, log_params=False,
+                   controller=None):
+    import diffrax
+
+    def solve(p, vf=f, with_stats=False):
+        p = jnp.exp(p) if log_params else p
+        term = diffrax.ODETerm(lambda t, y, args: vf(y, t, *args))
+        sol = diffrax.diffeqsolve(
+            term, getattr(diffrax, solver_name)(), float(ts[0]), float(ts[-1]), None,
+            jnp.asarray(y0), args=tuple(p),
+            saveat=diffrax.SaveAt(ts=jnp.asarray(ts)),
+            stepsize_controller=controller or diffrax.PIDController(rtol=rtol, atol=atol),
+            adjoint=getattr(diffrax, adjoint_name)(), max_steps=100_000,
+        )
+        return (sol.ys, sol.stats) if with_stats else sol.ys
+
+    def count(p):
+        counted, calls = _counting(f)
+        _, stats = jax.jit(lambda p: solve(p, counted, True))(p)
+        jax.block_until_ready(stats)
+        return int(stats["num_steps"]), len(calls)
+
+    return solve, count
+
+
+def scipy_solver(method, y0, ts, rtol, atol, fun, args):
+    from scipy.integrate import solve_ivp
+
+    def solve():
+        return solve_ivp(fun, (ts[0], ts[-1]), y0, method=method, t_eval=ts, rtol=rtol,
+                         atol=atol, args=args)
+
+    return solve
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def measure(name, group, solve, count, params, loss, loss_ref, grad_ref):
+    """Compile and check one solver; its run times are filled in by :func:`time_rows`."""
+    params = jnp.asarray(params)
+
+    def value(p):
+        return loss(solve(p))
+
+    compile_s, compiled_vg = compile_time(jax.value_and_grad(value), params)
+    _, compiled = compile_time(value, params)
+    val, grad = compiled_vg(params)
+    steps, fevals = count(params)
+    row = Row(name, group, {
+        "compile s": compile_s,
+        "steps": steps,
+        "RHS evals": fevals,
+        "loss error": abs(float(val) - loss_ref) / abs(loss_ref),
+        "grad error": float(np.max(np.abs(np.asarray(grad) - grad_ref)) / np.max(np.abs(grad_ref))),
+    })
+    row.calls = {"solve ms": lambda: compiled(params), "grad ms": lambda: compiled_vg(params)}
+    row.recompile = lambda: compile_time(jax.value_and_grad(value), params)[0]
+    print(f"  {name}: compile {compile_s:.2f} s", flush=True)
+    return row
+
+
+def time_rows(rows):
+    """Run times of every compiled row, timed round-robin (fair on a shared machine), and
+    compile times as the fastest of the first and COMPILE_ROUNDS more round-robin
+    compilations from cleared caches."""
+    calls = {(i, col): fn for i, row in enumerate(rows)
+             for col, fn in getattr(row, "calls", {}).items()}
+    for (i, col), seconds in run_times_interleaved(calls, rounds=ROUNDS).items():
+        rows[i].values[col] = 1e3 * seconds
+    for _ in range(COMPILE_ROUNDS):
+        for row in rows:
+            if hasattr(row, "recompile"):
+                jax.clear_caches()
+                row.values["compile s"] = min(row.values["compile s"], row.recompile())
+    return rows
+
+
+def measure_scipy(name, solve, loss_of, loss_ref):
+    start = time.perf_counter()
+    sol = solve()
+    times = [time.perf_counter() - start]
+    while sum(times) < 1.0 and len(times) < 20:
+        start = time.perf_counter()
+        solve()
+        times.append(time.perf_counter() - start)
+    err = abs(loss_of(sol.y.T) - loss_ref) / abs(loss_ref)
+    print(f"  {name}: solve {1e3 * min(times):.3f} ms", flush=True)
+    return Row(name, "peer", {"solve ms": 1e3 * min(times), "RHS evals": int(sol.nfev),
+                              "loss error": err})
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def lotka_volterra_rows():
+    args = (LV_Y0, LV_TS)
+    tol = dict(rtol=LV_RTOL, atol=LV_ATOL)
+    rows = []
+    for method in ("dopri5", "tsit5"):
+        rows.append(measure(f"ours {method}", OURS, *ours(lotka_volterra, *args, method, **tol),
+                            LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF))
+    rows.append(measure("ours dopri5, on_failure='ignore' (no check)", OURS,
+                        *ours(lotka_volterra, *args, "dopri5", on_failure="ignore", **tol),
+                        LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF))
+    rows.append(measure("ours dopri5 (interpolating adjoint)", OURS,
+                        *ours(lotka_volterra, *args, "dopri5", adjoint="interpolate", **tol),
+                        LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF))
+    rows.append(measure("jax.experimental.ode.odeint", "peer",
+                        *jax_odeint(lotka_volterra, *args, **tol),
+                        LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF))
+    for solver in ("Dopri5", "Tsit5"):
+        for adjoint in ("RecursiveCheckpointAdjoint", "BacksolveAdjoint"):
+            rows.append(measure(f"diffrax {solver} {adjoint}", "peer",
+                                *diffrax_solver(lotka_volterra, *args, solver, adjoint, **tol),
+                                LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF))
+    def np_lv(t, y, a, b, c, d):
+        return [a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]]
+
+    time_rows(rows)
+    rows.append(measure_scipy("scipy solve_ivp RK45", scipy_solver(
+        "RK45", LV_Y0, LV_TS, LV_RTOL, LV_ATOL, np_lv, tuple(LV_PARAMS)),
+        lambda ys: float(np.sum(ys**2)), LV_LOSS_REF))
+    return rows
+
+
+def robertson_rows(loss_ref, grad_ref):
+    args = (ROB_Y0, ROB_TS)
+    tol = dict(rtol=ROB_RTOL, atol=ROB_ATOL)
+    logk = np.log(ROB_K)
+    rows = [measure("ours kvaerno5", OURS,
+                    *ours(robertson, *args, "kvaerno5", log_params=True, **tol),
+                    logk, rob_loss, loss_ref, grad_ref),
+            measure("ours kvaerno5, adjoint_rtol/atol = tol / 10", OURS,
+                    *ours(robertson, *args, "kvaerno5", log_params=True,
+                          adjoint_rtol=ROB_RTOL / 10, adjoint_atol=ROB_ATOL / 10, **tol),
+                    logk, rob_loss, loss_ref, grad_ref)]
+    import diffrax
+
+    rows.append(measure("diffrax Kvaerno5 PIDController", "peer",
+                        *diffrax_solver(robertson, *args, "Kvaerno5",
+                                        "RecursiveCheckpointAdjoint", log_params=True, **tol),
+                        logk, rob_loss, loss_ref, grad_ref))
+    rows.append(measure("diffrax Kvaerno5 PID(0.3, 0.4)", "peer",
+                        *diffrax_solver(robertson, *args, "Kvaerno5",
+                                        "RecursiveCheckpointAdjoint", log_params=True,
+                                        controller=diffrax.PIDController(
+                                            rtol=ROB_RTOL, atol=ROB_ATOL, pcoeff=0.3,
+                                            icoeff=0.4), **tol),
+                        logk, rob_loss, loss_ref, grad_ref))
+    time_rows(rows)
+    loss_np = lambda ys: float(np.sum(ys[:, 0] + 1e4 * ys[:, 1]))  # noqa: E731
+    for method in ("Radau", "BDF", "LSODA"):
+        rows.append(measure_scipy(f"scipy solve_ivp {method}", scipy_solver(
+            method, ROB_Y0, ROB_TS, ROB_RTOL, ROB_ATOL, robertson_np, (ROB_K,)),
+            loss_np, loss_ref))
+    return rows
+
+
+# --------------------------------------------------------------------------- work-precision
+
+
+def _timed_error(solve, params, loss, loss_ref, grad_ref, grad):
+    params = jnp.asarray(params)
+    value = lambda p: loss(solve(p))  # noqa: E731
+    fn = jax.jit(jax.value_and_grad(value) if grad else value)
+    seconds = run_times_interleaved({"f": lambda: fn(params)}, rounds=5)["f"]
+    out = fn(params)
+    if grad:
+        err = float(np.max(np.abs(np.asarray(out[1]) - grad_ref)) / np.max(np.abs(grad_ref)))
+    else:
+        err = abs(float(out) - loss_ref) / abs(loss_ref)
+    return 1e3 * seconds, max(err, 1e-16)
+
+
+def work_precision(rob_ref):
+    lv_tols = [1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
+    lv_makers = {
+        "ours dopri5": lambda r: ours(lotka_volterra, LV_Y0, LV_TS, "dopri5", r, r)[0],
+        "ours tsit5": lambda r: ours(lotka_volterra, LV_Y0, LV_TS, "tsit5", r, r)[0],
+        "jax odeint": lambda r: jax_odeint(lotka_volterra, LV_Y0, LV_TS, r, r)[0],
+        "diffrax Dopri5 (checkpoint)": lambda r: diffrax_solver(
+            lotka_volterra, LV_Y0, LV_TS, "Dopri5", "RecursiveCheckpointAdjoint", r, r)[0],
+        "diffrax Tsit5 (checkpoint)": lambda r: diffrax_solver(
+            lotka_volterra, LV_Y0, LV_TS, "Tsit5", "RecursiveCheckpointAdjoint", r, r)[0],
+    }
+    lv = {name: [_timed_error(make(r), LV_PARAMS, lv_loss, LV_LOSS_REF, LV_GRAD_REF, True)
+                 for r in lv_tols] for name, make in lv_makers.items()}
+    rob_tols = [1e-4, 1e-5, 1e-6, 1e-7, 1e-8]
+    logk = np.log(ROB_K)
+    rob_makers = {
+        "ours kvaerno5": lambda r: ours(robertson, ROB_Y0, ROB_TS, "kvaerno5", r, r * 1e-4,
+                                        log_params=True)[0],
+        "diffrax Kvaerno5": lambda r: diffrax_solver(
+            robertson, ROB_Y0, ROB_TS, "Kvaerno5", "RecursiveCheckpointAdjoint", r, r * 1e-4,
+            log_params=True)[0],
+    }
+    rob = {}
+    for name, make in rob_makers.items():
+        for grad in (False, True):
+            rob[f"{name} {'gradient' if grad else 'forward'}"] = [
+                _timed_error(make(r), logk, rob_loss, *rob_ref, grad) for r in rob_tols]
+    loss_np = lambda ys: float(np.sum(ys[:, 0] + 1e4 * ys[:, 1]))  # noqa: E731
+    for method in ("Radau", "BDF", "LSODA"):
+        points = []
+        for r in rob_tols:
+            solve = scipy_solver(method, ROB_Y0, ROB_TS, r, r * 1e-4, robertson_np, (ROB_K,))
+            start = time.perf_counter()
+            sol = solve()
+            points.append((1e3 * (time.perf_counter() - start),
+                           max(abs(loss_np(sol.y.T) - rob_ref[0]) / abs(rob_ref[0]), 1e-16)))
+        rob[f"scipy {method} forward"] = points
+    return lv, rob
+
+
+def plot_work_precision(lv, rob, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, data, title in (
+        (axes[0], lv, "Lotka–Volterra: value and gradient (grad error), rtol = atol 1e-4..1e-10"),
+        (axes[1], rob, "Robertson: forward (loss error), gradient (grad error), rtol 1e-4..1e-8"),
+    ):
+        for name, points in data.items():
+            t, e = zip(*points)
+            style = "-o" if name.startswith("ours") else "--s"
+            ax.loglog(t, e, style, label=name, markersize=4)
+        ax.set_xlabel("time per call (ms)")
+        ax.set_ylabel("relative error")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def warm_up():
+    """Imports and a first compilation, so that no row pays the process's start-up."""
+    import diffrax  # noqa: F401
+
+    import solvers  # noqa: F401
+
+    jax.jit(lambda x: jnp.sin(x) @ x).lower(jnp.ones((2, 2))).compile()
+
+
+def main():
+    start = time.perf_counter()
+    warm_up()
+    print(f"# ODEs, float64, {jax.devices()[0].platform}")
+    columns = ["compile s", "solve ms", "grad ms", "steps", "RHS evals", "loss error",
+               "grad error"]
+    ratios = ["compile s", "solve ms", "grad ms", "grad error"]
+    print("\nLotka–Volterra ...", flush=True)
+    lv_rows = lotka_volterra_rows()
+    print_table("Lotka–Volterra: sum(ys²) and its gradient w.r.t. (α, β, γ, δ), rtol = atol = "
+                "1e-6", lv_rows, columns, ratio_columns=ratios)
+    print("\nRobertson reference (SciPy Radau, tight) ...", flush=True)
+    rob_ref = robertson_reference()
+    rob_rows = robertson_rows(*rob_ref)
+    print_table("Robertson to t = 1e5: Σ y1 + 1e4 y2 over 12 outputs and its gradient w.r.t. "
+                "log k, rtol = 1e-6, atol = 1e-10", rob_rows, columns, ratio_columns=ratios)
+    for note in (
+        f"Times: fastest of {ROUNDS} calls, all rows of a table timed round-robin; compile s: "
+        "lower + compile of jit(value_and_grad(loss)) from cleared caches, fastest of "
+        f"{1 + COMPILE_ROUNDS} (round-robin over the rows).",
+        "steps: attempted forward steps (accepted + rejected); RHS evals: forward solve only.",
+        "ours: default on_failure='raise' (the failure check is compiled in).",
+        "SciPy: Python right-hand side, finite-difference Jacobian for the implicit methods.",
+    ):
+        print(f"- {note}")
+    print("\nWork–precision ...", flush=True)
+    lv, rob = work_precision(rob_ref)
+    path = os.path.join(RESULTS, "ode_work_precision.png")
+    plot_work_precision(lv, rob, path)
+    print(f"work-precision plot: {path}")
+    print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

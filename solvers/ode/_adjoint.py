@@ -1,0 +1,326 @@
+"""The adjoint rule: a ``jax.custom_vjp`` whose backward pass is another ODE solve.
+
+For ``z' = G(u, s, θ)`` (``u`` = the first ``n_ctrl`` components of ``z``; the others are
+quadratures, which ``G`` does not read) with outputs ``z(s_k)`` and output cotangents
+``ḡ_k``, the backward pass integrates, from ``s_{T-1}`` down to ``s_0`` and in reversed
+time ``r = -s``,
+
+    u' = -G_u(u),    λ_u' = (∂G/∂u)ᵀ λ,    θ̄' = (∂G/∂θ)ᵀ λ,
+
+with ``λ = (λ_u, λ_q)`` (``λ_q``, the quadratures' adjoint, is constant between outputs),
+adding ``ḡ_k`` to ``λ`` and restarting ``u`` from the stored forward output at every
+output time. ``θ̄`` is left out of the step-size control (a seminorm). Time cotangents are
+``t̄_k = ḡ_k · G(z_k, s_k)`` for ``k ≥ 1`` and ``t̄_0 = -λ(s_0⁺) · G(z_0, s_0)``.
+
+Each interval is solved by the same custom_vjp-wrapped integrator applied to the augmented
+system, so the backward pass is itself differentiable (``grad(grad(...))``) and memory
+holds only the outputs, whatever the number of steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from solvers.ode import _integrate
+
+__all__ = ["make_solve"]
+
+
+def _flat(tree, dtype):
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((0,), dtype)
+    return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+
+
+def _unflat(flat, like):
+    leaves, treedef = jax.tree.flatten(like)
+    out, start = [], 0
+    for leaf in leaves:
+        size = jnp.size(leaf)
+        out.append(flat[start : start + size].reshape(jnp.shape(leaf)).astype(leaf.dtype))
+        start += size
+    return jax.tree.unflatten(treedef, out)
+
+
+@jax.custom_vjp
+def _first_order_only(out, *dependencies):
+    return out
+
+
+def _first_order_only_fwd(out, *dependencies):
+    return out, None
+
+
+def _first_order_only_bwd(_, g):
+    raise NotImplementedError(
+        "solvers.odeint: the interpolating adjoint (the default of stiff methods) gives "
+        "first derivatives only; for higher derivatives pass adjoint='backsolve'"
+    )
+
+
+_first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
+
+
+def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64):
+    """A differentiable ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
+
+    ``G(u, s, theta, const)`` returns the derivative of the whole state; ``theta`` is a
+    pytree of floating arrays (differentiated), ``const`` anything else (not).
+    ``ctl = (rtol, atol, adjoint_rtol, adjoint_atol, h0, max_steps)``.
+    ``make_stepper(rhs, n_ctrl, rtol=, atol=)`` builds the method for ``rhs(u, s)``;
+    ``report(status, t) -> flag`` raises the failure of a backward pass from the host
+    (fold the flag into the gradient so that the check stays).
+    ``adjoint``: ``"backsolve"`` or ``"interpolate"`` (see :func:`_interpolating_bwd`),
+    ``window``: the interpolating adjoint's step buffer.
+    """
+
+    def run(z0, ts, theta, const, ctl):
+        rtol, atol, _, _, h0, budget = ctl
+
+        def rhs(u, s):
+            return G(u, s, theta, const)
+
+        stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
+        return _integrate.integrate(
+            stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl
+        )
+
+    @jax.custom_vjp
+    def solve(z0, ts, theta, const, ctl):
+        return run(z0, ts, theta, const, ctl)
+
+    def solve_fwd(z0, ts, theta, const, ctl):
+        # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
+        # uses this rule again instead of the stepping loop.
+        zs, stats = solve(z0, ts, theta, const, ctl)
+        return (zs, stats), (zs, ts, theta, const, ctl)
+
+    def G_adjoint(u2, r, theta2, const):
+        # The augmented system in reversed time r = -s: (u, λ_u)' = (-G_u, (∂G/∂u)ᵀ λ) and
+        # θ̄' = (∂G/∂θ)ᵀ λ, with λ = (λ_u, λ_q) and λ_q (quadratures' adjoint) a parameter.
+        theta, lam_q = theta2
+        u, lam_u = u2[:n_ctrl], u2[n_ctrl:]
+        dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
+        u_bar, theta_bar = vjp(jnp.concatenate([lam_u, lam_q]))
+        return jnp.concatenate([-dz[:n_ctrl], u_bar, _flat(theta_bar, dz.dtype)])
+
+    def backsolve_intervals(zs, ts, theta, const, ctl, gz):
+        # Output interval by output interval, each a differentiable `solve` of the
+        # augmented system: the form that is differentiated again (grad of grad).
+        _, _, adj_rtol, adj_atol, _, budget = ctl
+        dtype = zs.dtype
+        T, N = zs.shape
+        n_u = n_ctrl
+        adjoint_solve = make_solve(
+            make_stepper, G_adjoint, 2 * n_u, on_failure=on_failure, report=report
+        )
+
+        def interval(carry, k):
+            lam, theta_bar, h, left, status, t_fail = carry
+            lam = lam + gz[k]
+            z2 = jnp.concatenate([zs[k, :n_u], lam[:n_u], theta_bar])
+            ts2 = jnp.stack([-ts[k], -ts[k - 1]])
+            ctl2 = (adj_rtol, adj_atol, adj_rtol, adj_atol, h, left)
+            zs2, st = adjoint_solve(z2, ts2, (theta, lam[n_u:]), const, ctl2)
+            end = zs2[1]
+            lam = jnp.concatenate([end[n_u : 2 * n_u], lam[n_u:]])
+            first_failure = (status == _integrate.RUNNING) & (st.status != _integrate.RUNNING)
+            t_fail = jnp.where(first_failure, -st.t, t_fail)
+            status = jnp.where(status == _integrate.RUNNING, st.status, status)
+            left = jnp.where(status == _integrate.RUNNING, left - st.num_steps, 0)
+            return (lam, end[2 * n_u :], st.h, left, status, t_fail), None
+
+        init = (
+            jnp.zeros((N,), dtype),
+            _flat(theta, dtype) * 0,
+            jnp.zeros((), dtype),  # automatic initial step on the first interval
+            jnp.asarray(budget, jnp.int32),
+            jnp.asarray(_integrate.RUNNING, jnp.int32),
+            ts[-1],
+        )
+        (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
+            interval, init, jnp.arange(T - 1, 0, -1)
+        )
+        return lam, theta_bar, status, t_fail
+
+    def backsolve_loop(zs, ts, theta, const, ctl, gz):
+        # The same integration as one loop that lands on every output time and jumps
+        # there (u restarts from the stored output, λ gains the cotangent). The state is
+        # (u, λ_u, λ_q | θ̄): λ_q, constant between outputs, rides along with zero slope.
+        _, _, adj_rtol, adj_atol, _, budget = ctl
+        dtype = zs.dtype
+        T, N = zs.shape
+        n_u = n_ctrl
+        n_c = n_u + N
+
+        def rhs(v, r):
+            u, lam = v[:n_u], v[n_u:]
+            dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
+            u_bar, theta_bar = vjp(lam)
+            zeros = jnp.zeros((N - n_u,), dtype)
+            return jnp.concatenate([-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype)])
+
+        def jump(j, z):
+            k = T - 1 - j
+            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:]])
+
+        stepper = make_stepper(rhs, n_c, rtol=adj_rtol, atol=adj_atol)
+        z0 = jnp.concatenate([zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0])
+        end, st = _integrate.integrate_jumps(
+            stepper, lambda v, r: rhs(v, r)[:n_c], z0, -ts[::-1], adj_rtol, adj_atol,
+            jnp.zeros((), dtype), budget, n_c, jump,
+        )
+        return end[n_u:n_c], end[n_c:], st.status, -st.t
+
+    @jax.custom_vjp
+    def backsolve(zs, ts, theta, const, ctl, gz):
+        return backsolve_loop(zs, ts, theta, const, ctl, gz)
+
+    def backsolve_fwd(zs, ts, theta, const, ctl, gz):
+        return backsolve(zs, ts, theta, const, ctl, gz), (zs, ts, theta, const, ctl, gz)
+
+    def backsolve_bwd(res, cotangents):
+        zs, ts, theta, const, ctl, gz = res
+
+        def differentiable(zs, ts, theta, gz):
+            return backsolve_intervals(zs, ts, theta, const, ctl, gz)[:2]
+
+        _, vjp = jax.vjp(differentiable, zs, ts, theta, gz)
+        zs_bar, ts_bar, theta_bar, gz_bar = vjp(cotangents[:2])
+        return zs_bar, ts_bar, theta_bar, None, None, gz_bar
+
+    backsolve.defvjp(backsolve_fwd, backsolve_bwd)
+
+    def solve_bwd(res, cotangents):
+        if adjoint == "interpolate":
+            return _interpolating_bwd(
+                make_stepper, G, res, cotangents[0], window, on_failure=on_failure, report=report
+            )
+        zs, ts, theta, const, ctl = res
+        gz = cotangents[0]
+        T = zs.shape[0]
+        n_u = n_ctrl
+        if T == 1:
+            lam, theta_bar = jnp.zeros_like(gz[0]), _flat(theta, zs.dtype) * 0
+            status, t_fail = jnp.asarray(_integrate.RUNNING, jnp.int32), ts[0]
+        else:
+            lam, theta_bar, status, t_fail = backsolve(zs, ts, theta, const, ctl, gz)
+        dz0 = G(zs[0, :n_u], ts[0], theta, const)
+        t_bar0 = -jnp.dot(lam, dz0)
+        z0_bar = lam + gz[0]
+        dzs = jax.vmap(lambda u, t: G(u, t, theta, const))(zs[1:, :n_u], ts[1:])
+        ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
+        failed = status != _integrate.RUNNING
+        if on_failure == "nan":
+            z0_bar, ts_bar, theta_bar = (
+                jnp.where(failed, jnp.nan, v) for v in (z0_bar, ts_bar, theta_bar)
+            )
+        elif on_failure == "raise":
+            ok = report(status, t_fail)
+            z0_bar, ts_bar, theta_bar = (
+                jnp.where(ok, v, jnp.nan) for v in (z0_bar, ts_bar, theta_bar)
+            )
+        return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
+
+    solve.defvjp(solve_fwd, solve_bwd)
+    return solve
+
+
+def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
+    """The adjoint with the state interpolated from a forward re-integration.
+
+    Output interval by output interval (last first), the forward solution is recomputed
+    from the stored output, keeping the continuous extension of its last ``window`` steps;
+    ``λ' = (∂G/∂u)ᵀ λ``, ``θ̄' = (∂G/∂θ)ᵀ λ`` is integrated backwards over those steps with
+    ``u`` from the interpolant; if the interval took more steps, the forward is recomputed
+    again up to where the covered part began, and so on. The state is never integrated
+    backwards, so stiff problems (whose backward state equation is unstable) are fine;
+    memory is ``window`` steps, whatever the number of steps.
+    """
+    zs, ts, theta, const, ctl = jax.tree.map(jax.lax.stop_gradient, res)
+    gz_in = gz
+    gz = jax.lax.stop_gradient(gz)
+    rtol, atol, adj_rtol, adj_atol, _, budget = ctl
+    dtype = zs.dtype
+    T, n = zs.shape
+    budget = jnp.asarray(budget, jnp.int32)
+
+    def rhs(u, s):
+        return G(u, s, theta, const)
+
+    def adjoint_rhs(record):
+        def G_lam(lam, r):
+            t = -r
+            y = _integrate.interpolate(record, t)
+            _, vjp = jax.vjp(lambda u, th: G(u, t, th, const), y, theta)
+            u_bar, theta_bar = vjp(lam)
+            return jnp.concatenate([u_bar, _flat(theta_bar, dtype)])
+
+        return G_lam
+
+    def window_step(carry):
+        k, end, lam, theta_bar, h, left, status, t_fail = carry
+        a = ts[k - 1]
+        forward = make_stepper(rhs, n, rtol=rtol, atol=atol)
+        _, st_f, record = _integrate.integrate(
+            forward, rhs, zs[k - 1], jnp.stack([a, end]), rtol, atol, jnp.zeros((), dtype),
+            budget, n, record=window,
+        )
+        G_lam = adjoint_rhs(record)
+        backward = make_stepper(G_lam, n, rtol=adj_rtol, atol=adj_atol)
+        z2 = jnp.concatenate([lam, theta_bar])
+        out, st_b = _integrate.integrate(
+            backward, lambda v, r: G_lam(v, r)[:n], z2, jnp.stack([-end, -record.start]),
+            adj_rtol, adj_atol, h, left, n,
+        )
+        fail_f = st_f.status != _integrate.RUNNING
+        new_status = jnp.where(fail_f, st_f.status, st_b.status)
+        new_t = jnp.where(fail_f, st_f.t, -st_b.t)
+        first = (status == _integrate.RUNNING) & (new_status != _integrate.RUNNING)
+        status = jnp.where(status == _integrate.RUNNING, new_status, status)
+        t_fail = jnp.where(first, new_t, t_fail)
+        end = out[1]
+        return (k, record.start, end[:n], end[n:], st_b.h, left - st_b.num_steps, status,
+                t_fail)
+
+    def interval(carry, k):
+        lam, theta_bar, h, left, status, t_fail = carry
+        lam = lam + gz[k]
+
+        def more(c):
+            return (c[1] > ts[k - 1]) & (c[6] == _integrate.RUNNING)
+
+        # The jump in λ starts a fresh transient: pick the first step afresh (h = 0).
+        c = (k, ts[k], lam, theta_bar, h * 0, left, status, t_fail)
+        _, _, lam, theta_bar, h, left, status, t_fail = jax.lax.while_loop(more, window_step, c)
+        return (lam, theta_bar, h, left, status, t_fail), None
+
+    init = (
+        jnp.zeros((n,), dtype),
+        _flat(theta, dtype) * 0,
+        jnp.zeros((), dtype),  # automatic initial step on the first window
+        budget,
+        jnp.asarray(_integrate.RUNNING, jnp.int32),
+        ts[-1],
+    )
+    (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
+        interval, init, jnp.arange(T - 1, 0, -1)
+    )
+    t_bar0 = -jnp.dot(lam, rhs(zs[0], ts[0]))
+    z0_bar = lam + gz[0]
+    dzs = jax.vmap(rhs)(zs[1:], ts[1:])
+    ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
+    failed = status != _integrate.RUNNING
+    if on_failure == "nan":
+        z0_bar, ts_bar, theta_bar = (
+            jnp.where(failed, jnp.nan, v) for v in (z0_bar, ts_bar, theta_bar)
+        )
+    elif on_failure == "raise":
+        ok = report(status, t_fail)
+        z0_bar, ts_bar, theta_bar = (jnp.where(ok, v, jnp.nan) for v in (z0_bar, ts_bar, theta_bar))
+    z0_bar, ts_bar, theta_bar = _first_order_only(
+        (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
+    )
+    return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None

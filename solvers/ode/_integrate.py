@@ -1,0 +1,273 @@
+"""The stepping loop, with dense output at the output times.
+
+The steps never stop at an output time: a ``lax.scan`` over the output times runs, for
+each, a ``lax.while_loop`` of steps until the time is passed, and interpolates the output
+from the last step's continuous extension (several outputs inside one step cost no step).
+Only the final step is shortened, to end on the last output time exactly. The step loop
+carries no output logic, and the scalars travel packed in two small vectors: few kernels
+per step. With ``record=B`` the loop also keeps the continuous extension of its last
+``B`` accepted steps (a ring buffer), for the interpolating adjoint; ``integrate_jumps``
+lands on every time instead and applies a jump there (the backward pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from solvers.ode import _control
+
+__all__ = [
+    "Stats",
+    "Stepper",
+    "Record",
+    "integrate",
+    "interpolate",
+    "RUNNING",
+    "MAX_STEPS",
+    "UNDERFLOW",
+    "NONFINITE",
+]
+
+RUNNING, MAX_STEPS, UNDERFLOW, NONFINITE = 0, 1, 2, 3
+
+
+class Stats(NamedTuple):
+    status: Any  # 0 success, 1 max_steps reached, 2 step size underflow, 3 non-finite
+    t: Any  # time reached (last accepted step)
+    h: Any  # the controller's next step size
+    ratio: Any  # weighted RMS error of the last step (<= 1 when accepted)
+    num_steps: Any  # attempted steps (what max_steps caps)
+    num_accepted: Any
+    num_rejected: Any
+    num_fevals: Any  # right-hand side evaluations
+    num_jacobians: Any  # Jacobian evaluations (stiff methods)
+    num_factorizations: Any  # LU factorisations (stiff methods)
+
+
+class Stepper(NamedTuple):
+    """A method, as the loop sees it.
+
+    ``init(s0, z0) -> cache`` (the cache holds at least ``k0``, the derivative at the
+    current point). ``step(s, z, cache, h) -> (z1, err, ks, accept_cache, reject_cache,
+    ok, counts)``: the new state, the error estimate of the controlled components, the
+    stage derivatives (for dense output), the cache after an accepted or a rejected step,
+    whether the stage solves succeeded and ``(fevals, jacobians, factorizations)``.
+    """
+
+    init: Callable
+    step: Callable
+    dense: Any  # (stages, degree) continuous-extension weights
+    beta1: float
+    beta2: float
+    order: int  # exponent of the local error estimate (for the initial step)
+    init_counts: tuple = (1, 0, 0)  # (fevals, jacobians, factorizations) spent by init
+
+
+class Record(NamedTuple):
+    """The continuous extension of consecutive accepted steps, oldest first.
+
+    ``y(s[i] + θ h[i]) = z[i] + Σ_d θ^(d+1) coef[i, d]``; unused rows have ``s = +inf``.
+    ``start`` is the first time covered (the integration's start when it kept every step).
+    """
+
+    s: Any  # (B,)
+    h: Any  # (B,)
+    z: Any  # (B, N)
+    coef: Any  # (B, degree, N)
+    start: Any
+
+
+def interpolate(record, t):
+    """Evaluate a :class:`Record` at time ``t`` (extrapolating outside its steps)."""
+    B = record.s.shape[0]
+    i = jnp.clip(jnp.sum(record.s <= t) - 1, 0, B - 1)
+    return record.z[i] + _horner(record.coef[i], (t - record.s[i]) / record.h[i])
+
+
+def _horner(coef, theta):
+    """``Σ_d θ^(d+1) coef[d]`` (Horner's rule, unrolled over the few degrees)."""
+    acc = coef[-1]
+    for d in range(coef.shape[0] - 2, -1, -1):
+        acc = acc * theta + coef[d]
+    return acc * theta
+
+
+def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None):
+    """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
+
+    A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
+    the time is passed (``mode="dense"``: the output is then interpolated from the last
+    step's continuous extension; steps are only shortened to end on ``ts[-1]``) or reached
+    exactly (``mode="jumps"``: steps are shortened to end on every ``ts[j]``, where
+    ``jump(j, z)`` then runs). The step loop itself carries no output logic.
+    """
+    dtype = z0.dtype
+    T = ts.shape[0]
+    N = z0.shape[0]
+    eps = jnp.finfo(dtype).eps
+    i32 = jnp.int32
+    t0, t_end = ts[0], ts[-1]
+    jumps = mode == "jumps"
+    cache = stepper.init(t0, z0)
+    k0 = cache[0]
+    first_span = (ts[1] if jumps else t_end) - t0
+
+    def auto_h(_):
+        return _control.initial_step(
+            rhs_u, t0, z0[:n_ctrl], k0[:n_ctrl], first_span, rtol, atol, stepper.order
+        )
+
+    h = jax.lax.cond(
+        h0 > 0, lambda _: jnp.minimum(h0, first_span).astype(dtype), auto_h, None
+    )
+    dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
+    degree = dense.shape[0]
+    stages = dense.shape[1]
+    floor = jnp.asarray(_control.RATIO_FLOOR, dtype)
+    fl = jnp.stack([t0, h, floor, floor]).astype(dtype)  # s, h, ratio_prev, ratio
+    c0 = stepper.init_counts
+    # steps, accepted, fevals, jacobians, factorizations, status
+    it = jnp.array([0, 0, c0[0], c0[1], c0[2], RUNNING], i32)
+    it = it.at[2].add((h0 <= 0).astype(i32))
+    # The last accepted step (start, size, state, stage derivatives): dense output.
+    last_step = (t0, jnp.ones((), dtype), z0, jnp.zeros((stages, N), dtype)) if not jumps else None
+    B = max(int(record), 1)
+    rec = (
+        (
+            jnp.full((B,), jnp.inf, dtype),
+            jnp.ones((B,), dtype),
+            jnp.zeros((B, N), dtype),
+            jnp.zeros((B, degree, N), dtype),
+        )
+        if record
+        else None
+    )
+
+    def step_loop(target, carry):
+        clip_to = target if jumps else t_end
+
+        def cond(c):
+            fl, it = c[0], c[1]
+            return (fl[0] < target) & (it[5] == RUNNING)
+
+        def body(c):
+            fl, it, z, cache, last_step, rec = c
+            s, h, ratio_prev = fl[0], fl[1], fl[2]
+            remaining = clip_to - s
+            # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
+            # replayed to end where an earlier run's step ended): that step lands too.
+            last = (h >= remaining) | (s + h >= clip_to)
+            h_proposed = h
+            h = jnp.where(last, remaining, h)
+            z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
+            ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
+            finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
+            accept = ok & finite & (ratio <= 1)
+            s1 = jnp.where(last, clip_to, s + h)
+            if not jumps:
+                new = (s, h, z, ks)
+                last_step = tuple(jnp.where(accept, a, b) for a, b in zip(new, last_step))
+            if record:
+                slot = it[1] % B
+                new = (s, h, z, h * (dense @ ks))
+                rec = tuple(
+                    buf.at[slot].set(jnp.where(accept, val, buf[slot]))
+                    for buf, val in zip(rec, new)
+                )
+            factor = _control.pi_factor(
+                ratio, ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
+            )
+            factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
+            h_next = h * factor
+            # A step shortened to end on a time says little about the next one.
+            h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
+            s_new = jnp.where(accept, s1, s)
+            fl = jnp.stack([
+                s_new,
+                h_next,
+                jnp.where(accept, jnp.maximum(ratio, floor), ratio_prev),
+                ratio,
+            ])
+            z = jnp.where(accept, z1, z)
+            cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
+            underflow = ~accept & ~(h_next > 10 * eps * jnp.abs(s_new))  # NaN-safe
+            status = jnp.where(underflow, jnp.where(finite, UNDERFLOW, NONFINITE), RUNNING)
+            done = s_new >= t_end if not jumps else s_new >= ts[-1]
+            status = jnp.where(
+                (status == RUNNING) & (it[0] + 1 >= budget) & ~done, MAX_STEPS, status
+            )
+            inc = jnp.stack([
+                jnp.ones((), i32),
+                accept.astype(i32),
+                jnp.asarray(counts[0], i32),
+                jnp.asarray(counts[1], i32),
+                jnp.asarray(counts[2], i32),
+                status.astype(i32),
+            ])
+            return fl, it + inc, z, cache, last_step, rec
+
+        return jax.lax.while_loop(cond, body, carry)
+
+    def per_time(carry, j):
+        target = ts[j]
+        carry = step_loop(target, carry)
+        fl, it, z, cache, last_step, rec = carry
+        reached = fl[0] >= target
+        if jumps:
+            interior = reached & (j < T - 1)
+            zj = jump(j, z)
+            cache_j = stepper.init(target, zj)
+            z = jnp.where(interior, zj, z)
+            cache = jax.tree.map(lambda a, b: jnp.where(interior, a, b), cache_j, cache)
+            it = it.at[2].add(interior.astype(i32) * stepper.init_counts[0])
+            return (fl, it, z, cache, last_step, rec), None
+        s_prev, h_prev, z_prev, ks = last_step
+        y = z_prev + _horner(h_prev * (dense @ ks), (target - s_prev) / h_prev)
+        y = jnp.where(target == fl[0], z, y)
+        return carry, jnp.where(reached, y, jnp.nan)
+
+    carry = (fl, it, z0, cache, last_step, rec)
+    carry, ys = jax.lax.scan(per_time, carry, jnp.arange(1, T))
+    fl, it, z, _, _, rec = carry
+    # A zero budget leaves the loop before any step: report it as max_steps.
+    reached_end = fl[0] >= t_end
+    status = jnp.where((it[5] == RUNNING) & ~reached_end, MAX_STEPS, it[5]).astype(i32)
+    stats = Stats(status, fl[0], fl[1], fl[3], it[0], it[1], it[0] - it[1], it[2], it[3], it[4])
+    if jumps:
+        return z, stats
+    ys = jnp.concatenate([z0[None], ys])
+    if not record:
+        return ys, stats
+    n_acc = it[1]
+    # Oldest step first; with fewer than B steps the unused rows (s = inf) stay last.
+    shift = jnp.where(n_acc > B, n_acc % B, 0)
+    rec = tuple(jnp.roll(buf, -shift, axis=0) for buf in rec)
+    start = jnp.where(n_acc > B, rec[0][0], t0)
+    return ys, stats, Record(*rec, start)
+
+
+def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0):
+    """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
+
+    ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
+    ``h0 <= 0`` asks for the automatic initial step; ``budget`` caps the attempted steps.
+    ``rhs_u(u, s)`` (the controlled components' derivative) is used by the initial-step
+    heuristic only. With ``record=B > 0`` also return the :class:`Record` of the last
+    ``B`` accepted steps.
+    """
+    return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
+                record=record)
+
+
+def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):
+    """Integrate through ``ts``, landing on every time and applying ``z <- jump(j, z)`` there.
+
+    Steps are shortened to end on each ``ts[j]`` exactly; ``jump`` runs at the interior
+    times ``j = 1 .. T-2`` (not at the last one). Returns ``(z(ts[-1]), Stats)``. Used by
+    the backward pass, whose state jumps by the output cotangents at the output times.
+    """
+    return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="jumps",
+                jump=jump)

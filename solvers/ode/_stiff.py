@@ -1,0 +1,99 @@
+"""One step of an L-stable ESDIRK pair (Kværnø 5(4)); stage equations by ``solvers.newton``.
+
+Stage ``i`` solves ``U = base_i + hγ f(U, s + c_i h)`` with
+``base_i = u + h Σ_{j<i} a_ij k_j``, starting from the stage-derivative predictor
+``base_i + hγ Σ_j α_ij k_j``; then ``k_i = (U - base_i) / (hγ)``. The method is stiffly
+accurate (the new state is the last stage value, ``u + h Σ b_j k_j``) and the embedded
+solution is the sixth stage value. The stages run in a ``lax.fori_loop`` (one traced copy
+of the right-hand side and of the Newton solve). A stage solve that fails rejects the step
+(the loop halves ``h``); it never raises.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["implicit_stepper", "NEWTON_KAPPA", "NEWTON_MAX_STEPS"]
+
+NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tolerance
+NEWTON_MAX_STEPS = 8
+
+
+def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol):
+    """The :class:`~solvers.ode._integrate.Stepper` of an ESDIRK pair with explicit first stage.
+
+    ``rhs(u, s)`` returns the derivative of the whole state; the components past
+    ``n_ctrl`` are quadratures (``rhs`` does not read them), evaluated at the stage values.
+    """
+    from solvers.ode._integrate import Stepper
+    from solvers.root import newton
+
+    stages = len(tab.b)
+    gamma = float(tab.gamma)
+    explicit_part = tab.a * (1 - jnp.eye(stages))  # the strictly lower triangle
+
+    def stage_residual(U, base, hg, t, M):
+        # The value is the stage residual; the derivative is the frozen iteration matrix
+        # M = I - hγJ, so Newton's method takes simplified-Newton steps -M⁻¹ r(U) and J
+        # (one Jacobian per step) is shared by all stages.
+        r = U - base - hg * rhs(U, t)[:n_ctrl]
+        return M @ U + jax.lax.stop_gradient(r - M @ U)
+
+    def init(s0, z0):
+        return (rhs(z0[:n_ctrl], s0),)
+
+    def step(s, z, cache, h):
+        (k0,) = cache
+        dtype = z.dtype
+        a = jnp.asarray(explicit_part, dtype)
+        pred = jnp.asarray(tab.predictor, dtype)
+        c = jnp.asarray(tab.c, dtype)
+        u = z[:n_ctrl]
+        hg = h * gamma
+        # One Jacobian per step, shared by the six implicit stages. (Keeping it across
+        # steps too let Newton stop after one iteration with a stage error near its
+        # tolerance, which then swamped the error estimate and stalled the step size.)
+        J = jax.jacfwd(lambda v: rhs(v, s)[:n_ctrl])(u)
+        M = jnp.eye(n_ctrl, dtype=dtype) - hg * J
+        ks = jnp.zeros((stages, z.shape[0]), dtype).at[0].set(k0)
+
+        def stage(i, carry):
+            ks, ok, fevals, jacobians = carry
+            k_u = ks[:, :n_ctrl]
+            base = u + h * (a[i] @ k_u)
+            guess = base + hg * (pred[i] @ k_u)
+            t = s + c[i] * h
+            U, info = newton(
+                stage_residual,
+                guess,
+                base,
+                hg,
+                t,
+                M,
+                jacobian="dense",
+                line_search=False,
+                rtol=NEWTON_KAPPA * rtol,
+                atol=NEWTON_KAPPA * atol,
+                max_steps=NEWTON_MAX_STEPS,
+                on_failure="ignore",
+                full_output=True,
+            )
+            k = (U - base) / hg
+            fevals = fevals + info.num_steps + 1
+            if z.shape[0] > n_ctrl:  # quadratures: evaluate them at the stage value
+                k = jnp.concatenate([k, rhs(U, t)[n_ctrl:]])
+                fevals = fevals + 1
+            ok = ok & info.converged & jnp.all(jnp.isfinite(k))
+            return ks.at[i].set(k), ok, fevals, jacobians + info.num_steps
+
+        zero = jnp.zeros((), jnp.int32)
+        ks, ok, fevals, jacobians = jax.lax.fori_loop(
+            1, stages, stage, (ks, jnp.bool_(True), zero, zero)
+        )
+        z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
+        err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
+        return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, jacobians)
+
+    k = tab.error_order
+    return Stepper(init, step, tab.dense, beta1=0.7 / k, beta2=0.4 / k, order=k)

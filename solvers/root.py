@@ -1,0 +1,469 @@
+"""Roots ``F(x, *args) = 0``: Newton (dense or matrix-free), chord and Broyden, with line search.
+
+All three methods take steps ``x <- x + t d`` with ``d ≈ -J⁻¹ F(x)`` and ``t`` from a
+backtracking (Armijo) line search on ``|F|``. They differ in ``J``:
+
+- ``"newton"``: the Jacobian at every iterate, dense (``jax.jacfwd`` and an LU solve) for
+  small systems, matrix-free (Newton–Krylov: GMRES on ``jax.jvp``, with an
+  Eisenstat–Walker forcing term) for large ones, so no ``n × n`` matrix is ever formed;
+- ``"chord"``: the Jacobian of an earlier iterate, factorised once and kept while each
+  step at least halves ``|F|``;
+- ``"broyden"``: good Broyden rank-one updates of the initial Jacobian (limited memory,
+  in product form: no transposed solve needed).
+
+Chord and Broyden recompute the Jacobian when the memory is full or their direction
+fails the line search; a direction from a fresh Jacobian that fails is a reported
+failure (singular Jacobian, no decrease), never a NaN handed back without notice.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from implicit import _checks, custom_root, linear
+from solvers import _loop
+
+__all__ = ["root", "newton"]
+
+METHODS = ("newton", "chord", "broyden")
+JACOBIANS = ("auto", "dense", "matfree")
+#: ``jacobian="auto"`` materialises the Jacobian up to this many unknowns (an LU solve of
+#: this size costs about as much as a few dozen matrix-free GMRES iterations).
+DENSE_MAX_SIZE = 500
+
+_SINGULAR, _NO_DECREASE, _NONFINITE = 1, 2, 3
+REASONS = (
+    "the Jacobian is singular (the Newton step is not finite)",
+    "the line search found no decrease of |F| along the Newton direction (a singular or "
+    "ill-conditioned Jacobian, a local minimum of |F|, or rtol/atol below what the "
+    "floating-point precision allows)",
+    "F returned non-finite values (at the initial guess, or after a full step with "
+    "line_search=False)",
+)
+
+_ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
+_MAX_BACKTRACKS = 20
+_ETA_MAX = 0.1  # largest GMRES forcing term (relative residual of the Newton system)
+_GMRES_MAX_STEPS = 200  # matrix-vector products per Newton–Krylov direction
+
+
+def root(
+    F,
+    x0,
+    *args,
+    method="newton",
+    jacobian="auto",
+    line_search=True,
+    history_size=10,
+    rtol=None,
+    atol=None,
+    max_steps=100,
+    rule="vjp",
+    linear_solver="auto",
+    on_failure="raise",
+    full_output=False,
+):
+    """Find ``x*`` with ``F(x*, *args) == 0``, differentiable by the implicit function theorem.
+
+    Each step solves ``J d = -F(x)`` (``J`` the Jacobian or its chord/Broyden
+    approximation) and moves to ``x + t d``, where ``t`` halves (with quadratic
+    interpolation) until ``|F|`` decreases enough. The solve stops when the estimated
+    error of ``x + d`` is small: ``max|d| <= atol + rtol * max|x|``, where ``|d|`` is
+    scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``.
+    Gradients with respect to ``args`` and to traced values ``F`` closes over are
+    ``-(∂F/∂x)⁻¹ ∂F/∂θ`` (one adjoint linear solve with ``linear_solver``); the
+    iterations are never differentiated.
+
+    Args:
+      F: ``F(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
+      x0: initial guess (pytree of arrays; ints are promoted to float).
+      *args: parameters (pytrees of arrays), differentiated.
+      method: ``"newton"``, ``"chord"`` or ``"broyden"``.
+      jacobian: ``"dense"`` (``jax.jacfwd`` and LU), ``"matfree"`` (GMRES on ``jax.jvp``;
+        no Jacobian is formed) or ``"auto"`` (dense up to ``DENSE_MAX_SIZE`` unknowns).
+      line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
+        steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
+      history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
+      rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
+        1e-8/1e-10 in float64); the adjoint linear solve uses ``rtol / 10`` (its test is
+        on the 2-norm of the whole residual).
+      max_steps: iteration cap.
+      rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
+      linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``
+        (default): ``"dense"`` when the Jacobian is dense, ``"gmres"`` otherwise. A
+        backward solve that misses its tolerance follows ``on_failure``.
+      on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
+      full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
+        ``residual`` (``max|F(x*)|``), ``residual_history`` (each step's error estimate,
+        ``max|d|`` scaled as above) and ``status`` (why it failed: ``REASONS[status - 1]``).
+
+    Returns:
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, solvers
+      >>> F = lambda x, a: x ** 3 - a
+      >>> print(solvers.root(F, 1.0, 8.0), jax.grad(lambda a: solvers.root(F, 1.0, a))(8.0))
+      2.0 0.083333336
+    """
+    _checks.check_callable(F, "F")
+    _checks.check_choice(method, "method", METHODS)
+    _checks.check_choice(jacobian, "jacobian", JACOBIANS)
+    if not isinstance(line_search, bool):
+        raise TypeError(f"`line_search` must be True or False, got {line_search!r:.80}")
+    _checks.check_max_steps(history_size, "history_size")
+    _checks.check_args(args)
+    x0 = _checks.as_floating(x0, "x0")
+    _checks.check_common_options(
+        rtol=rtol,
+        atol=atol,
+        max_steps=max_steps,
+        rule=rule,
+        linear_solver=linear_solver,
+        on_failure=on_failure,
+        extra_linear_solvers=("auto",),
+    )
+    size = sum(leaf.size for leaf in jax.tree.leaves(x0))
+    if jacobian == "auto":
+        jacobian = "dense" if size <= DENSE_MAX_SIZE else "matfree"
+    if linear_solver == "auto":
+        linear_solver = "dense" if jacobian == "dense" else "gmres"
+    default_rtol, default_atol = _checks.default_tolerances(x0)
+    dtype = jnp.result_type(*jax.tree.leaves(x0))
+    return _loop.dispatch(
+        _solve,
+        x0,
+        args,
+        jnp.asarray(default_rtol if rtol is None else rtol, dtype),
+        jnp.asarray(default_atol if atol is None else atol, dtype),
+        F=F,
+        method=method,
+        jacobian=jacobian,
+        line_search=line_search,
+        history_size=int(history_size),
+        rule=rule,
+        linear_solver=linear_solver,
+        on_failure=on_failure,
+        record_history=bool(full_output),
+        solver=f"solvers.root(method={method!r})",
+        full_output=full_output,
+        max_steps=int(max_steps),
+        reasons=REASONS,
+    )
+
+
+def newton(F, x0, *args, **options):
+    """Newton's method with line search: :func:`root` with ``method="newton"``.
+
+    Example:
+      >>> import jax.numpy as jnp, solvers
+      >>> F = lambda x, A, b: A @ x + x ** 3 - b
+      >>> x = solvers.newton(F, jnp.zeros(2), jnp.eye(2), jnp.array([2.0, 10.0]))
+      >>> print(x)
+      [1. 2.]
+    """
+    if "method" in options:
+        raise TypeError("solvers.newton() got an unexpected keyword argument 'method'")
+    return root(F, x0, *args, method="newton", **options)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "F",
+        "method",
+        "jacobian",
+        "line_search",
+        "history_size",
+        "rule",
+        "linear_solver",
+        "on_failure",
+        "record_history",
+        "solver",
+        "check",
+        "max_steps",
+    ),
+)
+def _solve(
+    x0,
+    args,
+    rtol,
+    atol,
+    *,
+    F,
+    method,
+    jacobian,
+    line_search,
+    history_size,
+    rule,
+    linear_solver,
+    on_failure,
+    record_history,
+    solver,
+    check,
+    max_steps,
+):
+    _checks.check_like(jax.eval_shape(F, x0, *args), x0, "F(x0, *args)", "x0")
+
+    # The adjoint solve stops on a 2-norm residual relative to the whole right-hand side,
+    # a weaker test per entry than the forward max-norm one: ask for ten times less.
+    @custom_root(
+        F,
+        linear_solver=linear_solver,
+        has_aux=True,
+        rule=rule,
+        rtol=0.1 * rtol,
+        on_failure=on_failure,
+    )
+    def solve(x0, *args):
+        x0_flat, unravel = ravel_pytree(x0)
+
+        def fn(v):
+            return ravel_pytree(F(unravel(v), *args))[0]
+
+        step = _make_step(fn, method, jacobian, line_search, history_size, rtol, atol)
+        state0 = _init(x0_flat, method, jacobian, history_size)
+        state, info = _loop.iterate(
+            step, state0, rtol=rtol, atol=atol, max_steps=max_steps, record_history=record_history
+        )
+        info = info._replace(residual=jnp.max(jnp.abs(state.fx)), status=state.status)
+        x = _loop.apply_failure_policy(
+            unravel(state.x),
+            info,
+            solver=solver,
+            on_failure=on_failure,
+            check=check,
+            max_steps=max_steps,
+            reasons=REASONS,
+        )
+        return x, info
+
+    return solve(x0, *args)
+
+
+class _State(NamedTuple):
+    x: Any  # the iterate (flat)
+    fx: Any  # F(x)
+    status: Any  # 0, or a REASONS code once the solve has failed
+    full_step: Any  # max|d| of the previous step if it was a full one (t = 1), else 0
+    eta: Any = None  # matrix-free Newton: (previous forcing term, previous |F|)
+    d: Any = None  # chord/Broyden: the direction -H F(x)
+    jac: Any = None  # chord/Broyden: LU factors (dense) or the Jacobian's point (matfree)
+    s: Any = None  # Broyden: steps (history_size, n)
+    u: Any = None  # Broyden: update vectors, H_{k+1} = (I + u_k s_kᵀ) H_k
+    k: Any = None  # Broyden: number of stored updates
+    refresh: Any = None  # chord/Broyden: recompute the Jacobian at the next step
+
+
+def _norm(v):
+    # An overflow (|F| > 1e19 in float32) gives inf, which the line search treats as a
+    # failed trial: it shrinks the step.
+    return jnp.sqrt(jnp.sum(v * v))
+
+
+def _lu_factor(a):
+    lu, _, permutation = jax.lax.linalg.lu(a)
+    return lu, permutation
+
+
+def _lu_solve(factors, b):
+    lu, permutation = factors
+    y = jax.lax.linalg.triangular_solve(
+        lu, b[permutation, None], left_side=True, lower=True, unit_diagonal=True
+    )
+    return jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)[:, 0]
+
+
+def _init(x0, method, jacobian, history_size):
+    # F(x0) is evaluated by the first step, with the Jacobian (one trace of F fewer).
+    dtype = x0.dtype
+    zero = jnp.zeros((), dtype)
+    state = _State(x0, jnp.zeros_like(x0), jnp.int32(0), zero)
+    if jacobian == "matfree":
+        state = state._replace(eta=(jnp.asarray(_ETA_MAX, dtype), zero))
+    if method == "newton":
+        return state
+    n = x0.size
+    if jacobian == "dense":
+        jac = (jnp.zeros((n, n), dtype), jnp.zeros((n,), jnp.int32))
+    else:
+        jac = x0
+    m = history_size if method == "broyden" else 0
+    zeros = jnp.zeros((m, n), dtype)
+    return state._replace(
+        d=jnp.zeros_like(x0), jac=jac, s=zeros, u=zeros, k=jnp.int32(0), refresh=jnp.bool_(True)
+    )
+
+
+def _gmres(matvec, b, tol):
+    # The engine's GMRES (restarted, early exit inside a cycle); an inexact direction is
+    # fine: the line search and the next Newton step absorb the error.
+    return linear.solve("gmres", matvec, b, rtol=tol, atol=0.0, max_steps=_GMRES_MAX_STEPS)
+
+
+def _make_step(fn, method, jacobian, line_search, history_size, rtol, atol):
+    dtype = rtol.dtype
+    eps = jnp.finfo(dtype).eps
+    big = jnp.finfo(dtype).max
+    eta_min = jnp.maximum(rtol, 8 * eps)
+
+    def value_and_jacobian(x):
+        """``F(x)`` and the Jacobian (matrix) at ``x``, from one forward-mode pass."""
+        jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(fn(v)), has_aux=True)(x)
+        return fx, jac
+
+    def value_and_factor(x):
+        """``F(x)`` and the Jacobian at ``x`` in the form ``apply_h0`` uses."""
+        if jacobian == "dense":
+            fx, jac = value_and_jacobian(x)
+            return fx, _lu_factor(jac)
+        return fn(x), x
+
+    def apply_h0(jac, v):
+        """``J⁻¹ v`` for the Jacobian ``value_and_factor`` returned."""
+        if jacobian == "dense":
+            return _lu_solve(jac, v)
+        return _gmres(jax.linearize(fn, jac)[1], v, eta_min)
+
+    def newton_direction(x, eta):
+        """``(F(x), d, eta)`` with ``J d = -F(x)``."""
+        if jacobian == "dense":
+            fx, jac = value_and_jacobian(x)
+            return fx, -_lu_solve(_lu_factor(jac), fx), eta
+        fx, matvec = jax.linearize(fn, x)
+        # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
+        eta_prev, fnorm_prev = eta
+        fnorm = _norm(fx)
+        new = 0.9 * (fnorm / jnp.where(fnorm_prev > 0, fnorm_prev, 1.0)) ** 2
+        safeguard = 0.9 * eta_prev**2
+        new = jnp.where(safeguard > 0.1, jnp.maximum(new, safeguard), new)
+        new = jnp.where(fnorm_prev > 0, jnp.clip(new, eta_min, _ETA_MAX), _ETA_MAX)
+        return fx, -_gmres(matvec, fx, new), (new, fnorm)
+
+    def apply_h(jac, s, u, k, v):
+        """``H_k v`` with ``H_k = (I + u_{k-1} s_{k-1}ᵀ) ... (I + u_0 s_0ᵀ) J⁻¹``."""
+        w = apply_h0(jac, v)
+        if s.shape[0] == 0:  # chord
+            return w
+        body = lambda i, w: jnp.where(i < k, w + u[i] * jnp.dot(s[i], w), w)  # noqa: E731
+        return jax.lax.fori_loop(0, s.shape[0], body, w)
+
+    def step(state):
+        x = state.x
+        eta = state.eta
+        if method == "newton":
+            fx, d, eta = newton_direction(x, eta)
+            fresh = jnp.bool_(True)
+            jac, s, u, k = None, None, None, None
+        else:
+
+            def refreshed(_):
+                fx, jac = value_and_factor(x)
+                d = -apply_h0(jac, fx)
+                return fx, jac, d, jnp.zeros_like(state.s), jnp.zeros_like(state.u), jnp.int32(0)
+
+            def kept(_):
+                return state.fx, state.jac, state.d, state.s, state.u, state.k
+
+            fx, jac, d, s, u, k = jax.lax.cond(state.refresh, refreshed, kept, None)
+            fresh = state.refresh
+
+        f_ok = jnp.isfinite(jnp.max(jnp.abs(fx)))  # max propagates NaN
+        step_size = jnp.max(jnp.abs(d))
+        d_ok = jnp.isfinite(step_size)
+        # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
+        # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
+        # a fast-converging iteration stops a step earlier; never more than |d|.
+        rate = step_size / jnp.where(state.full_step > 0, state.full_step, 1.0)
+        known = (state.full_step > 0) & (rate < 1)
+        error = step_size * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
+        scale = jnp.max(jnp.abs(x + d))
+        small = d_ok & (error <= atol + rtol * scale)
+        if line_search:
+            x_new, f_new, t, ok = _line_search(fn, x, fx, d, skip=small | ~d_ok | ~f_ok)
+        else:
+            x_new = x + d
+            f_new = fn(x_new)
+            t, ok = 1.0, jnp.isfinite(jnp.max(jnp.abs(f_new)))
+        moved = f_ok & d_ok & (ok | small)
+        no_decrease = _NO_DECREASE if line_search else _NONFINITE
+        status = jnp.where(
+            ~f_ok,
+            _NONFINITE,
+            jnp.where(fresh & ~d_ok, _SINGULAR, jnp.where(fresh & ~moved, no_decrease, 0)),
+        ).astype(jnp.int32)
+        x_next = jnp.where(moved, x_new, x)
+        f_next = jnp.where(moved, f_new, fx)
+        full_step = jnp.where(moved & (t == 1), step_size, 0.0).astype(dtype)
+        # A failure with a fresh Jacobian ends the solve (infinite error); one with a
+        # stale Jacobian (chord, Broyden) only asks for a fresh one at the next step.
+        error = jnp.where(status > 0, jnp.inf, jnp.where(d_ok, error, big))
+        new_state = state._replace(x=x_next, fx=f_next, status=status, full_step=full_step, eta=eta)
+
+        if method != "newton":
+            z = apply_h(jac, s, u, k, f_next)  # H_k F(x_next)
+            refresh = ~moved
+            if method == "broyden":
+                step_ = x_next - x
+                hy = z + d  # H_k (F(x_next) - F(x)), as H_k F(x) = -d
+                denom = jnp.dot(step_, hy)
+                good = jnp.abs(denom) > eps * _norm(step_) * _norm(hy)
+                u_k = (step_ - hy) / jnp.where(good, denom, 1.0)
+                d_next = -(z + u_k * jnp.dot(step_, z))
+                keep = moved & good
+                slot = jnp.minimum(k, s.shape[0] - 1)
+                s = jnp.where(keep, s.at[slot].set(step_), s)
+                u = jnp.where(keep, u.at[slot].set(u_k), u)
+                k = jnp.where(keep, k + 1, k)
+                refresh = refresh | ~good | (k >= s.shape[0])
+            else:
+                d_next = -z
+                # Kelley's rule: a chord step that reduces |F| less than twofold is too
+                # slow, so the Jacobian is recomputed (still one factorisation per few steps).
+                refresh = refresh | (_norm(f_next) > 0.5 * _norm(fx))
+            refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+            new_state = new_state._replace(d=d_next, jac=jac, s=s, u=u, k=k, refresh=refresh)
+
+        return new_state, error, jnp.where(d_ok, scale, 0.0)  # inf <= inf would pass
+
+    return step
+
+
+def _line_search(fn, x, fx, d, skip):
+    """Backtrack from ``t = 1`` until ``|F(x + t d)| <= (1 - 1e-4 t) |F(x)|``.
+
+    Each trial ``t`` comes from the quadratic model of ``|F(x + t d)|²`` (slope
+    ``-2 |F(x)|²`` along a Newton direction), kept within ``[0.1, 0.5]`` of the previous
+    one; a non-finite ``F`` shrinks ``t`` tenfold. Returns ``(x + t d, F(x + t d), t, ok)``;
+    with ``skip`` the full step is returned as is. ``F`` appears once in the program (the
+    loop's first pass tries ``t = 1``), which keeps compilation short.
+    """
+    f0 = _norm(fx)
+
+    def accepted(t, fnorm):
+        return fnorm <= (1.0 - _ARMIJO * t) * f0  # False for NaN
+
+    def cond(carry):
+        t, _, _, fnorm, i = carry
+        return (i == 0) | (~skip & ~accepted(t, fnorm) & (i <= _MAX_BACKTRACKS))
+
+    def body(carry):
+        t, _, _, fnorm, i = carry
+        r2 = (fnorm / jnp.where(f0 > 0, f0, 1.0)) ** 2
+        denom = r2 - 1.0 + 2.0 * t
+        quadratic = t * t / jnp.where(denom > 0, denom, 1.0)
+        t_new = jnp.where(jnp.isfinite(fnorm) & (denom > 0), quadratic, 0.1 * t)
+        t_new = jnp.where(i == 0, 1.0, jnp.clip(t_new, 0.1 * t, 0.5 * t))
+        x_t = x + t_new * d
+        f_t = fn(x_t)
+        return t_new, x_t, f_t, _norm(f_t), i + 1
+
+    one = jnp.ones((), f0.dtype)
+    init = (one, x, fx, f0, 0)
+    t, x_t, f_t, fnorm, _ = jax.lax.while_loop(cond, body, init)
+    return x_t, f_t, t, skip | accepted(t, fnorm)

@@ -1,0 +1,306 @@
+"""Tests of solvers.bisection and solvers.chandrupatla (bracketed scalar roots, elementwise).
+
+Expected values: cube roots from NumPy (float64) and their derivatives in closed form,
+d a^(1/3)/da = 1 / (3 a^(2/3)), d² a^(1/3)/da² = -2/9 a^(-5/3).
+"""
+
+import doctest
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solvers
+
+bracket_module = sys.modules["solvers.bracket"]
+
+METHODS = {"bisection": solvers.bisection, "chandrupatla": solvers.chandrupatla}
+both = pytest.mark.parametrize("method", list(METHODS))
+
+
+def cube(x, a):
+    return x**3 - a
+
+
+def cbrt64(a):
+    return np.cbrt(np.asarray(a, np.float64))
+
+
+A_VALUES = np.linspace(0.1, 100.0, 1001)  # the issue's benchmark range
+
+# Shared jitted solvers (compiled once per method for the module).
+SOLVE = {name: jax.jit(lambda a, m=m: m(cube, 0.0, 100.0, a)) for name, m in METHODS.items()}
+GRAD = {
+    name: jax.jit(jax.grad(lambda a, m=m: jnp.sum(m(cube, 0.0, 100.0, a))))
+    for name, m in METHODS.items()
+}
+
+
+@both
+def test_cube_roots_float32(method):
+    a = jnp.asarray(A_VALUES, jnp.float32)
+    x = SOLVE[method](a)
+    assert x.dtype == jnp.float32 and x.shape == a.shape
+    # Default float32 tolerances: width <= 1e-6 + 1e-5 |x|.
+    np.testing.assert_allclose(x, cbrt64(a), rtol=1e-5, atol=1e-6)
+
+
+@both
+@pytest.mark.parametrize("tol", [1e-6, 1e-12])
+def test_every_tolerance_is_reachable_in_float32(method, tol):
+    # optimistix's Bisection with rtol = atol = 1e-6 never terminates on these in float32;
+    # here the bracket stops when no float lies strictly inside it.
+    x, info = METHODS[method](
+        cube,
+        0.0,
+        100.0,
+        jnp.asarray(A_VALUES, jnp.float32),
+        rtol=tol,
+        atol=tol,
+        full_output=True,
+    )
+    assert bool(jnp.all(info.converged))
+    assert int(jnp.max(info.num_steps)) < 100
+    np.testing.assert_allclose(x, cbrt64(A_VALUES), rtol=4e-6)
+
+
+@both
+def test_float64(method, x64):
+    x = METHODS[method](cube, 0.0, 100.0, jnp.asarray(A_VALUES))
+    assert x.dtype == jnp.float64
+    np.testing.assert_allclose(x, cbrt64(A_VALUES), rtol=1e-8, atol=1e-10)
+    x = METHODS[method](cube, 0.0, 100.0, jnp.asarray(A_VALUES), rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(x, cbrt64(A_VALUES), rtol=1e-14)
+
+
+@both
+def test_gradient_float32(method):
+    a = jnp.asarray(A_VALUES[::10], jnp.float32)
+    g = GRAD[method](a)
+    np.testing.assert_allclose(g, 1 / (3 * cbrt64(a) ** 2), rtol=1e-4)
+
+
+@both
+def test_gradients_float64_grad_of_grad_and_bracket_ends(method, x64):
+    m = METHODS[method]
+
+    def root(a, lower=0.0, upper=10.0):
+        return m(cube, lower, upper, a)
+
+    @jax.jit
+    def derivatives(a):
+        return jax.grad(root)(a), jax.grad(jax.grad(root))(a), jax.grad(root, (1, 2))(a, 0.5, 10.0)
+
+    g, gg, g_ends = derivatives(8.0)
+    np.testing.assert_allclose(g, 1 / 12, rtol=1e-7)
+    np.testing.assert_allclose(gg, -2 / 9 * 8.0 ** (-5 / 3), rtol=1e-7)
+    np.testing.assert_array_equal(g_ends, (0.0, 0.0))
+
+
+@both
+def test_vmap_jacrev_and_forward_mode(method, x64):
+    m = METHODS[method]
+    a = jnp.array([1.0, 8.0, 27.0])
+    batched = jax.vmap(lambda a: m(cube, 0.0, 10.0, a))(a)
+    np.testing.assert_allclose(batched, [1.0, 2.0, 3.0], rtol=1e-8)
+    expected = np.diag(1 / (3 * np.array([1.0, 4.0, 9.0])))
+    fwd = lambda a: m(cube, 0.0, 10.0, a, rule="jvp")  # noqa: E731
+
+    @jax.jit
+    def derivatives(a):
+        rev = jax.jacrev(lambda a: m(cube, 0.0, 10.0, a))(a)
+        return rev, jax.jacfwd(fwd)(a), jax.hessian(lambda a: jnp.sum(fwd(a)))(a)
+
+    rev, jac, hess = derivatives(a)
+    np.testing.assert_allclose(rev, expected, rtol=1e-8)
+    np.testing.assert_allclose(jac, expected, rtol=1e-8)
+    np.testing.assert_allclose(hess, np.diag(-2 / 9 * np.asarray(a) ** (-5 / 3)), rtol=1e-6)
+
+
+@both
+def test_broadcasting_parameters_pytrees_and_closures(method, x64):
+    m = METHODS[method]
+
+    # x² = p["scale"] * c, with lower an array, upper a scalar and c a closed-over tracer.
+    def solve(p, c):
+        return m(lambda x, p: x**2 - p["scale"] * c, jnp.zeros(3), 10.0, p)
+
+    p = {"scale": jnp.array([1.0, 4.0, 9.0])}
+    np.testing.assert_allclose(solve(p, 4.0), [2.0, 4.0, 6.0], rtol=1e-8)
+    # d x / d scale = c / (2 x); d x / d c = sum(scale) / (2 x) summed.
+    g_p, g_c = jax.grad(lambda p, c: jnp.sum(solve(p, c)), argnums=(0, 1))(p, 4.0)
+    np.testing.assert_allclose(g_p["scale"], 4.0 / (2 * np.array([2.0, 4.0, 6.0])), rtol=1e-8)
+    np.testing.assert_allclose(
+        g_c, np.sum(np.array([1.0, 4.0, 9.0]) / (2 * np.array([2.0, 4.0, 6.0]))), rtol=1e-8
+    )
+
+
+@both
+def test_either_bracket_order_and_roots_at_the_ends(method):
+    m = METHODS[method]
+    np.testing.assert_allclose(m(cube, 10.0, 0.0, 8.0), 2.0, rtol=1e-5)
+    assert m(cube, 2.0, 5.0, 8.0) == 2.0
+    assert m(cube, -1.0, 2.0, 8.0) == 2.0
+    x = m(cube, 0, 10, 27)  # integer bracket and parameter are promoted
+    assert x.dtype == jnp.float32
+    np.testing.assert_allclose(x, 3.0, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Bad brackets and other run-time failures
+# --------------------------------------------------------------------------------------
+
+BAD = jnp.array([1.0, 8.0, 27.0])  # bracket [3, 10]: only 27 has its cube root inside
+
+
+@both
+@pytest.mark.parametrize("jit", [False, True])
+def test_bad_bracket_raises(method, jit):
+    run = lambda a: METHODS[method](cube, 3.0, 10.0, a)  # noqa: E731
+    if jit:
+        run = jax.jit(run)
+    with pytest.raises(Exception, match="the bracket has no sign change") as e:
+        jax.block_until_ready(run(BAD))
+    assert f"solvers.{method} did not converge" in str(e.value)
+    if not jit:
+        assert "2 of 3 batch elements failed; first at index (0,)" in str(e.value)
+
+
+@both
+def test_bad_bracket_nan_and_ignore(method):
+    m = METHODS[method]
+    x, info = m(cube, 3.0, 10.0, BAD, on_failure="nan", full_output=True)
+    assert np.isnan(x[0]) and np.isnan(x[1])
+    np.testing.assert_allclose(x[2], 3.0, rtol=1e-5)
+    np.testing.assert_array_equal(info.converged, [False, False, True])
+    np.testing.assert_array_equal(info.status, [1, 1, 0])
+    assert bracket_module.REASONS[0].startswith("the bracket has no sign change")
+    # "ignore" must not silently hand back an end of the bracket as if it were a root.
+    x = m(cube, 3.0, 10.0, BAD, on_failure="ignore")
+    assert float(x[0]) != 10.0 and float(x[0]) != 3.0
+    # Under vmap, the failed elements only.
+    xs = jax.vmap(lambda a: m(cube, 3.0, 10.0, a, on_failure="nan"))(BAD)
+    assert np.isnan(xs[0]) and np.isnan(xs[1]) and not np.isnan(xs[2])
+    with pytest.raises(Exception, match="no sign change"):
+        jax.block_until_ready(jax.vmap(lambda a: m(cube, 3.0, 10.0, a))(BAD))
+
+
+@both
+def test_non_finite_bracket_and_function(method):
+    m = METHODS[method]
+    with pytest.raises(solvers.ConvergenceError, match="no sign change"):
+        m(cube, 0.0, jnp.inf, 8.0)
+    # NaN inside the bracket is reported, not bisected around.
+    F = lambda x: jnp.where(jnp.abs(x - 1.5) < 0.6, jnp.nan, x - 1.5)  # noqa: E731
+    with pytest.raises(solvers.ConvergenceError, match="NaN inside the bracket"):
+        m(F, 0.0, 4.0)
+
+
+@both
+@pytest.mark.parametrize("jit", [False, True])
+def test_step_cap_is_reported(method, jit):
+    run = lambda: METHODS[method](cube, 0.0, 100.0, 8.0, max_steps=2)  # noqa: E731
+    if jit:
+        run = jax.jit(run)
+    with pytest.raises(Exception, match=r"did not converge: 2 steps taken \(max_steps=2\)"):
+        jax.block_until_ready(run())
+
+
+def test_full_output_fields():
+    a = jnp.array([1.0, 8.0, 27.0])
+    x, info = solvers.bisection(cube, 0.0, 10.0, a, full_output=True, max_steps=64)
+    assert isinstance(info, solvers.Info)
+    assert info.converged.shape == a.shape and bool(jnp.all(info.converged))
+    assert info.num_steps.shape == a.shape and int(jnp.min(info.num_steps)) > 10
+    np.testing.assert_allclose(info.residual, np.abs(np.asarray(x, np.float64) ** 3 - a), atol=1e-4)
+    assert info.residual_history.shape == (64,)
+    k = int(jnp.max(info.num_steps))
+    assert np.all(np.diff(info.residual_history[: k - 1]) < 0)  # the widest bracket halves
+    np.testing.assert_array_equal(info.status, [0, 0, 0])
+
+
+# --------------------------------------------------------------------------------------
+# Bad input and compilation
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: solvers.bisection(None, 0.0, 1.0), TypeError, "`F` must be callable"),
+        (lambda: solvers.bisection(cube, "0", 1.0, 1.0), TypeError, "`lower`"),
+        (lambda: solvers.bisection(cube, 0.0, [1.0, 2.0], 1.0), TypeError, "`upper`"),
+        (lambda: solvers.bisection(cube, 0.0, 1j, 1.0), TypeError, "`upper`"),
+        (lambda: solvers.bisection(cube, jnp.zeros(2), jnp.ones(3), 1.0), ValueError, "broadcast"),
+        (lambda: solvers.bisection(lambda x: (x, x), 0.0, 1.0), ValueError, "one array"),
+        (lambda: solvers.bisection(lambda x: jnp.sum(x), jnp.zeros(2), 1.0), ValueError, "shape"),
+        (lambda: solvers.bisection(lambda x: x > 0, 0.0, 1.0), ValueError, "dtype"),
+        (lambda: solvers.bisection(cube, 0.0, 1.0, 1.0, rtol=-1.0), ValueError, "`rtol`"),
+        (lambda: solvers.bisection(cube, 0.0, 1.0, 1.0, max_steps=0), ValueError, "max_steps"),
+        (lambda: solvers.chandrupatla(cube, 0.0, 1.0, 1.0, rule="x"), ValueError, "`rule`"),
+        (lambda: solvers.chandrupatla(cube, 0.0, 1.0, 1.0, on_failure=1), ValueError, "'raise'"),
+        (lambda: solvers.chandrupatla(cube, 0.0, 1.0, "a"), TypeError, "args"),
+    ],
+)
+def test_bad_input_is_reported_at_call_time(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@both
+def test_repeated_eager_calls_do_not_retrace(method):
+    calls = []
+
+    def F(x, a):
+        calls.append(1)
+        return x**3 - a
+
+    METHODS[method](F, 0.0, 10.0, 2.0)
+    traced = len(calls)
+    for a in (3.0, 4.0):
+        METHODS[method](F, 0.0, 10.0, a)
+    assert len(calls) == traced
+
+
+def test_adjoint_linear_solver_choice():
+    a = jnp.array([1.0, 8.0])
+    expected = 1 / (3 * np.array([1.0, 4.0]))
+    for linear_solver in ("dense",):
+        g = jax.grad(
+            lambda a: jnp.sum(solvers.chandrupatla(cube, 0.0, 10.0, a, linear_solver=linear_solver))
+        )(a)
+        np.testing.assert_allclose(g, expected, rtol=1e-4)
+
+
+def test_docstring_examples():
+    failures, tried = doctest.testmod(bracket_module)
+    assert tried > 0 and failures == 0
+
+
+@both
+def test_large_problems_in_chunks(method):
+    # 40,000 elements: solved in chunks on CPU. `c` (shape (2,)) is used whole by F, `a`
+    # elementwise; one element's bracket has no sign change.
+    n = 40_000
+    a = jnp.linspace(0.1, 100.0, n, dtype=jnp.float32)
+    c = jnp.array([2.0, 0.0], jnp.float32)
+    F = lambda x, a, c: c[0] * x**3 + c[1] - a  # noqa: E731
+
+    solve = jax.jit(
+        lambda a, c: METHODS[method](F, 0.0, 100.0, a, c, on_failure="nan", full_output=True)
+    )
+    grad = jax.jit(jax.grad(lambda c, a: jnp.sum(METHODS[method](F, 0.0, 100.0, a, c))))
+    bad = n // 2
+    x, info = solve(a.at[bad].set(-5.0), c)
+    expected = cbrt64(np.asarray(a) / 2)
+    good = np.arange(n) != bad
+    np.testing.assert_allclose(np.asarray(x)[good], expected[good], rtol=2e-5)
+    assert np.isnan(x[bad])
+    assert info.converged.shape == (n,) and int(jnp.sum(~info.converged)) == 1
+    assert int(info.status[bad]) == 1 and info.num_steps.shape == (n,)
+    # d x / d c0 = -x³ / (3 c0 x²) = -x / (3 c0); d x / d c1 = -1 / (3 c0 x²).
+    g_c = grad(c, a)
+    np.testing.assert_allclose(g_c[0], np.sum(-expected / 6), rtol=1e-4)
+    np.testing.assert_allclose(g_c[1], np.sum(-1 / (6 * expected**2)), rtol=1e-4)

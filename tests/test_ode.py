@@ -1,0 +1,432 @@
+"""solvers.odeint: accuracy, adjoint gradients, transformations, failures, bad input.
+
+Expected values come from closed forms, float64 central finite differences of the
+solution at tight tolerances, SciPy's Radau, or the reference values of DESIGN.md.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import solvers
+from solvers.ode import odeint
+
+# --- problems (module level: one compiled solver per function object) ----------------
+
+
+def decay(y, t, k):
+    return -k * y
+
+
+def oscillator(y, t, w):
+    return jnp.stack([y[1], -(w**2) * y[0]])
+
+
+def lotka_volterra(y, t, alpha, beta, gamma, delta):
+    x, z = y
+    return jnp.stack([alpha * x - beta * x * z, -gamma * z + delta * x * z])
+
+
+def van_der_pol(y, t, mu):
+    return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+def robertson(y, t, k1, k2, k3):
+    a, b, c = y
+    return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b])
+
+
+ROBERTSON_K = (0.04, 3e7, 1e4)
+ROBERTSON_REF = np.array([1.7865921142e-02, 7.2747514685e-08, 9.8213400611e-01])
+LV_PARAMS = (1.5, 1.0, 3.0, 1.0)
+LV_LOSS_REF = 842.503898308
+LV_GRAD_REF = np.array([32.87985, -541.66745, 504.66100, -1777.73152])
+
+
+def central_difference(fn, x, h):
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for i in range(x.size):
+        e = np.zeros_like(x)
+        e.flat[i] = h
+        grad.flat[i] = (float(fn(jnp.asarray(x + e))) - float(fn(jnp.asarray(x - e)))) / (2 * h)
+    return grad
+
+
+# --- forward accuracy -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["dopri5", "tsit5", "kvaerno5"])
+def test_exponential_decay(x64, method):
+    ts = jnp.linspace(0.0, 5.0, 11)
+    ys = odeint(decay, 2.0, ts, 0.7, method=method, rtol=1e-9, atol=1e-12)
+    assert ys.shape == (11,) and ys.dtype == jnp.float64
+    assert ys[0] == 2.0
+    # kvaerno5's outputs come from a cubic Hermite interpolant (order 3, not 4).
+    rtol = 1e-7 if method == "kvaerno5" else 2e-8
+    np.testing.assert_allclose(ys, 2.0 * np.exp(-0.7 * np.asarray(ts)), rtol=rtol)
+
+
+def test_float32_by_default():
+    ys = odeint(decay, 1.0, jnp.array([0.0, 1.0]), 1.0)
+    assert ys.dtype == jnp.float32
+    np.testing.assert_allclose(ys[-1], np.exp(-1.0), rtol=2e-5)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "tsit5"])
+def test_harmonic_oscillator_dense_output(x64, method):
+    # 401 outputs, far more than steps: every output comes from the method's own
+    # interpolant, which must be accurate to about the tolerance (linear interpolation
+    # between steps would be off by ~1e-2 here).
+    ts = jnp.linspace(0.0, 10.0, 401)
+    ys, info = odeint(
+        oscillator, jnp.array([1.0, 0.0]), ts, 2.0, method=method, rtol=1e-7, atol=1e-9,
+        full_output=True,
+    )
+    assert int(info.num_accepted) < 200
+    t = np.asarray(ts)
+    np.testing.assert_allclose(ys[:, 0], np.cos(2 * t), atol=2e-6)
+    np.testing.assert_allclose(ys[:, 1], -2 * np.sin(2 * t), atol=4e-6)
+
+
+def test_output_times_do_not_shorten_steps(x64):
+    y0 = jnp.array([1.0, 0.0])
+    _, few = odeint(oscillator, y0, jnp.array([0.0, 10.0]), 2.0, full_output=True)
+    _, many = odeint(oscillator, y0, jnp.linspace(0.0, 10.0, 300), 2.0, full_output=True)
+    assert int(few.num_steps) == int(many.num_steps)
+    assert int(few.num_fevals) == int(many.num_fevals)
+
+
+def test_robertson_matches_scipy_radau(x64):
+    from scipy.integrate import solve_ivp
+
+    ts = np.array([0.0, 1e-3, 1.0, 1e2, 1e4, 1e5])
+    k1, k2, k3 = ROBERTSON_K
+
+    def f(t, y):
+        a, b, c = y
+        return [-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b]
+
+    def jac(t, y):
+        a, b, c = y
+        return [[-k1, k3 * c, k3 * b], [k1, -2 * k2 * b - k3 * c, -k3 * b], [0, 2 * k2 * b, 0]]
+
+    ref = solve_ivp(
+        f, (0.0, 1e5), [1.0, 0.0, 0.0], method="Radau", t_eval=ts, rtol=1e-9, atol=1e-14, jac=jac
+    ).y.T
+    np.testing.assert_allclose(ref[-1], ROBERTSON_REF, rtol=1e-8)  # the reference itself
+    ys, info = odeint(
+        robertson, jnp.array([1.0, 0.0, 0.0]), jnp.asarray(ts), *ROBERTSON_K,
+        method="kvaerno5", rtol=1e-7, atol=1e-12, full_output=True,
+    )
+    assert bool(info.converged) and int(info.num_steps) < 400
+    assert int(info.num_jacobians) <= int(info.num_steps)  # one Jacobian per step at most
+    np.testing.assert_allclose(ys, ref, rtol=2e-5, atol=1e-12)
+
+
+def test_van_der_pol_stiff(x64):
+    ys, info = odeint(
+        van_der_pol, jnp.array([2.0, 0.0]), jnp.array([0.0, 3000.0]), 1000.0,
+        method="kvaerno5", rtol=1e-7, atol=1e-9, full_output=True,
+    )
+    np.testing.assert_allclose(ys[-1, 0], -1.51060694, rtol=1e-5)
+    np.testing.assert_allclose(ys[-1, 1], 1.17838e-3, rtol=1e-4)
+    assert int(info.num_steps) < 2000
+
+
+# --- gradients ----------------------------------------------------------------------------
+
+
+def lv_loss(params, method="dopri5", rtol=1e-6, atol=1e-6, **kw):
+    ys = odeint(
+        lotka_volterra, jnp.array([1.0, 1.0]), jnp.linspace(0.0, 10.0, 50), *params,
+        method=method, rtol=rtol, atol=atol, **kw,
+    )
+    return jnp.sum(ys**2)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "tsit5"])
+def test_lotka_volterra_gradient_matches_reference(x64, method):
+    p = jnp.array(LV_PARAMS)
+    value, grad = jax.value_and_grad(lv_loss)(p, method, 1e-10, 1e-10)
+    np.testing.assert_allclose(value, LV_LOSS_REF, rtol=1e-9)
+    np.testing.assert_allclose(grad, LV_GRAD_REF, rtol=2e-6, atol=2e-3)
+    # At the benchmark's tolerance the continuous adjoint is good to about rtol.
+    grad = jax.grad(lv_loss)(p, method)
+    assert np.max(np.abs(grad - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF)) < 5e-5
+
+
+def test_lotka_volterra_gradient_matches_finite_differences(x64):
+    p = np.array(LV_PARAMS)
+    fd = central_difference(lambda q: lv_loss(q, rtol=1e-12, atol=1e-12), p, 1e-5)
+    grad = jax.grad(lv_loss)(jnp.asarray(p), "dopri5", 1e-10, 1e-10)
+    np.testing.assert_allclose(grad, fd, rtol=1e-6)
+
+
+def test_van_der_pol_gradient_matches_finite_differences(x64):
+    ts = jnp.linspace(0.0, 6.0, 13)
+
+    def loss(theta, rtol=1e-9):
+        mu, y00 = theta
+        ys = odeint(van_der_pol, jnp.stack([y00, 0.0]), ts, mu, rtol=rtol, atol=rtol)
+        return jnp.sum(ys[:, 0] ** 3)
+
+    theta = np.array([1.5, 2.0])
+    fd = central_difference(lambda q: loss(q, 1e-12), theta, 1e-5)
+    np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(theta)), fd, rtol=1e-6)
+
+
+def test_gradient_with_respect_to_times_and_initial_state(x64):
+    # y = y0 exp(-k (t - t0)): every cotangent in closed form.
+    ts = jnp.array([0.5, 1.0, 2.0, 3.5])
+    k = 0.8
+
+    def loss(y0, ts):
+        return jnp.sum(jnp.arange(1.0, 5.0) * odeint(decay, y0, ts, k, rtol=1e-10, atol=1e-12))
+
+    y0 = 1.5
+    g_y0, g_ts = jax.grad(loss, argnums=(0, 1))(y0, ts)
+    t = np.asarray(ts)
+    w = np.arange(1.0, 5.0)
+    e = np.exp(-k * (t - t[0]))
+    np.testing.assert_allclose(g_y0, np.sum(w * e), rtol=1e-8)
+    expected_ts = -k * y0 * w * e
+    expected_ts[0] = k * y0 * np.sum(w[1:] * e[1:])
+    np.testing.assert_allclose(g_ts, expected_ts, rtol=1e-8)
+
+
+def test_robertson_gradient_interpolating_adjoint(x64):
+    # The state equation is unstable backwards in time: the default adjoint of the stiff
+    # method re-integrates it forwards and interpolates instead (backsolve fails here).
+    ts = jnp.array([0.0, 1.0, 1e5])
+    y0 = jnp.array([1.0, 0.0, 0.0])
+
+    def loss(logk, rtol=1e-7, atol=1e-12):
+        # A small window: the forward solution is recomputed in several pieces.
+        ys = odeint(robertson, y0, ts, *jnp.exp(logk), method="kvaerno5", rtol=rtol, atol=atol,
+                    adjoint_window=16)
+        return ys[-1, 0] + 1e4 * ys[-1, 1] + ys[1, 0]
+
+    logk = np.log(np.array(ROBERTSON_K))
+    fd = central_difference(lambda q: loss(q, 1e-11, 1e-16), logk, 1e-5)
+    np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(logk)), fd, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_interpolating_adjoint_with_small_window(x64):
+    # A window far smaller than the number of steps: the forward is recomputed in pieces.
+    p = jnp.array(LV_PARAMS)
+    grad = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint="interpolate", adjoint_window=5)
+    np.testing.assert_allclose(grad, LV_GRAD_REF, rtol=2e-6, atol=2e-3)
+
+
+def test_adjoint_tolerances_knob(x64):
+    # With an accurate forward pass, the backward tolerances set the gradient's error.
+    p = jnp.array(LV_PARAMS)
+
+    def err(adjoint_tol):
+        g = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint_rtol=adjoint_tol,
+                              adjoint_atol=adjoint_tol)
+        return np.max(np.abs(g - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF))
+
+    assert err(1e-4) > 3e-5  # a loose backward pass shows
+    assert err(1e-8) < 2e-8  # (the reference itself is good to ~3e-9)
+
+
+# --- pytrees, closures, transformations ---------------------------------------------------
+
+
+class State(NamedTuple):
+    x: jnp.ndarray
+    v: jnp.ndarray
+
+
+def test_pytree_state_and_args(x64):
+    def f(y, t, p):
+        return State(y.v, -p["w"] ** 2 * y.x)
+
+    ts = jnp.linspace(0.0, 2.0, 5)
+    y0 = State(jnp.array([1.0, 2.0]), jnp.zeros(2))
+    ys = odeint(f, y0, ts, {"w": 1.3}, rtol=1e-10, atol=1e-12)
+    assert isinstance(ys, State) and ys.x.shape == (5, 2)
+    expected = np.cos(1.3 * np.asarray(ts))[:, None] * np.array([1.0, 2.0])
+    np.testing.assert_allclose(ys.x, expected, rtol=1e-8, atol=1e-10)
+    grad = jax.grad(lambda p: odeint(f, y0, ts, p, rtol=1e-10, atol=1e-12).x[-1, 0])({"w": 1.3})
+    np.testing.assert_allclose(grad["w"], -2.0 * np.sin(2.6), rtol=1e-7)
+
+
+def test_gradient_through_closure(x64):
+    def loss(w):
+        return odeint(lambda y, t: jnp.stack([y[1], -(w**2) * y[0]]), jnp.array([1.0, 0.0]),
+                      jnp.array([0.0, 2.0]), rtol=1e-10, atol=1e-12)[-1, 0]
+
+    np.testing.assert_allclose(jax.grad(loss)(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
+
+
+def test_vmap_over_initial_conditions_and_jit(x64):
+    ts = jnp.array([0.0, 1.0, 2.0])
+    y0s = jnp.array([1.0, 2.0, 3.0])
+    ys = jax.jit(jax.vmap(lambda y0: odeint(decay, y0, ts, 0.5, rtol=1e-10, atol=1e-12)))(y0s)
+    np.testing.assert_allclose(ys, y0s[:, None] * np.exp(-0.5 * np.asarray(ts)), rtol=1e-8)
+    grads = jax.vmap(jax.grad(lambda y0: odeint(decay, y0, ts, 0.5)[-1]))(y0s)
+    np.testing.assert_allclose(grads, np.exp(-1.0) * np.ones(3), rtol=1e-7)
+
+
+def test_grad_of_grad(x64):
+    # d²/dk² y(2) for y = exp(-k t): 4 exp(-2k).
+    def final(k):
+        return odeint(decay, 1.0, jnp.array([0.0, 1.0, 2.0]), k, rtol=1e-10, atol=1e-12)[-1]
+
+    np.testing.assert_allclose(jax.grad(jax.grad(final))(0.7), 4 * np.exp(-1.4), rtol=1e-6)
+
+
+def test_jacrev_matches_matrix_exponential(x64):
+    A = jnp.array([[-1.0, 2.0], [0.5, -3.0]])
+    J = jax.jacrev(
+        lambda y0: odeint(lambda y, t: A @ y, y0, jnp.array([0.0, 2.0]), rtol=1e-10,
+                          atol=1e-12)[-1]
+    )(jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(J, jax.scipy.linalg.expm(2 * A), rtol=1e-7)
+
+
+@pytest.mark.slow
+def test_higher_order_through_interpolating_adjoint_is_refused(x64):
+    def final(k):
+        return odeint(decay, 1.0, jnp.array([0.0, 1.0]), k, method="kvaerno5")[-1]
+
+    with pytest.raises(NotImplementedError, match="adjoint='backsolve'"):
+        jax.grad(jax.grad(final))(0.7)  # refused while tracing: nothing is compiled
+
+
+def test_tolerances_are_traced_and_calls_compile_once(x64):
+    traces = []
+
+    def f(y, t, k):
+        traces.append(1)
+        return -k * y
+
+    ts = jnp.array([0.0, 1.0])
+    a = odeint(f, 1.0, ts, 1.0, rtol=1e-4, atol=1e-6)
+    n = len(traces)
+    b = odeint(f, 1.0, ts, 1.0, rtol=1e-10, atol=1e-12)
+    c = odeint(f, 2.0, ts, 0.5, rtol=1e-10, atol=1e-12)
+    assert len(traces) == n  # new tolerances and values: no re-trace
+    np.testing.assert_allclose([a[-1], b[-1], c[-1]], np.exp([-1, -1, -0.5]) * [1, 1, 2],
+                               rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_memory_does_not_depend_on_max_steps(x64):
+    from benchmarks._common import temp_memory_bytes
+
+    sizes = []
+    for max_steps in (100, 100_000):
+        fn = jax.grad(lambda p, m=max_steps: lv_loss(p, max_steps=m))
+        sizes.append(temp_memory_bytes(jax.jit(fn).lower(jnp.array(LV_PARAMS)).compile()))
+    if sizes[0] is None:
+        pytest.skip("no memory analysis on this backend")
+    assert sizes[0] == sizes[1]
+
+
+# --- failures -----------------------------------------------------------------------------
+
+ROB_Y0 = jnp.array([1.0, 0.0, 0.0])
+ROB_TS = jnp.array([0.0, 1e5])
+
+
+def test_explicit_method_on_stiff_problem_fails_loudly(x64):
+    with pytest.raises(solvers.ConvergenceError, match=r"failed at t=.*max_steps=300.*stiff"):
+        odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300)
+    with pytest.raises(Exception, match=r"failed at t=.*max_steps=300"):  # under jit too
+        jax.jit(lambda: odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300))()
+
+
+def test_default_max_steps_also_fails_loudly(x64):
+    with pytest.raises(solvers.ConvergenceError, match="max_steps=10000"):
+        odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K)
+
+
+def test_on_failure_nan_and_ignore(x64):
+    ts = jnp.array([0.0, 1e-3, 1.0, 1e5])
+    ys = odeint(robertson, ROB_Y0, ts, *ROBERTSON_K, max_steps=300, on_failure="nan")
+    assert np.all(np.isnan(ys))
+    ys, info = odeint(robertson, ROB_Y0, ts, *ROBERTSON_K, max_steps=300, on_failure="ignore",
+                      full_output=True)
+    assert not bool(info.converged) and int(info.status) == 1 and int(info.num_steps) == 300
+    assert 1e-3 < float(info.t_final) < 1e5
+    assert np.all(np.isfinite(ys[:2])) and np.all(np.isnan(ys[3]))  # reached / not reached
+
+
+def test_vmap_failure_is_per_element(x64):
+    blow_up = lambda y, t: y**2  # noqa: E731  (y0 / (1 - y0 t): infinite at t = 1 / y0)
+    ys = jax.vmap(lambda y0: odeint(blow_up, y0, jnp.array([0.0, 2.0]), on_failure="nan"))(
+        jnp.array([0.1, 1.0])
+    )
+    np.testing.assert_allclose(ys[0], [0.1, 0.125], rtol=1e-7)
+    assert np.all(np.isnan(ys[1]))
+
+
+def test_nonfinite_state_raises(x64):
+    with pytest.raises(solvers.ConvergenceError, match=r"failed at t=1\b.*non-finite"):
+        odeint(lambda y, t: y**2, 1.0, jnp.array([0.0, 2.0]))
+    with pytest.raises(solvers.ConvergenceError, match=r"at t=0.5\b.*non-finite"):
+        odeint(lambda y, t: jnp.where(t > 0.5, jnp.nan, -y), 1.0, jnp.array([0.0, 1.0]))
+
+
+def test_backward_failure_follows_on_failure(x64):
+    # The forward pass fits in max_steps; the much tighter backward pass does not.
+    def loss(k, on_failure):
+        ys = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, rtol=1e-3, atol=1e-3, max_steps=40,
+                    adjoint_rtol=1e-13, adjoint_atol=1e-13, on_failure=on_failure)
+        return ys[-1]
+
+    assert np.isnan(jax.grad(loss)(0.5, "nan"))
+    with pytest.raises(Exception, match=r"adjoint \(backward\) integration failed at t="):
+        jax.grad(loss)(0.5, "raise")
+
+
+def test_full_output_counts(x64):
+    _, info = odeint(lotka_volterra, jnp.array([1.0, 1.0]), jnp.linspace(0.0, 10.0, 50),
+                     *LV_PARAMS, rtol=1e-6, atol=1e-6, full_output=True)
+    assert bool(info.converged) and int(info.status) == 0 and float(info.t_final) == 10.0
+    assert int(info.num_steps) == int(info.num_accepted) + int(info.num_rejected)
+    # FSAL: six evaluations per attempted step, plus the first derivative and initial step.
+    assert int(info.num_fevals) == 6 * int(info.num_steps) + 2
+    assert float(info.residual) <= 1.0
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(f=1.0), TypeError, "`f` must be callable"),
+        (dict(y0="a"), TypeError, "`y0` must be a floating array"),
+        (dict(ts=jnp.zeros((2, 2))), ValueError, "`ts` must be a non-empty 1-D"),
+        (dict(ts=jnp.array([0.0, 2.0, 1.0])), ValueError, r"strictly increasing: ts\[1\]=2.0"),
+        (dict(ts=jnp.array([0.0, 1.0, 1.0])), ValueError, "strictly increasing"),
+        (dict(ts="abc"), TypeError, "`ts`"),
+        (dict(method="rk4"), ValueError, "'dopri5', 'tsit5', 'kvaerno5'"),
+        (dict(adjoint="exact"), ValueError, "'backsolve', 'interpolate'"),
+        (dict(rtol=0.0), ValueError, "`rtol` must be a positive"),
+        (dict(atol=-1.0), ValueError, "`atol` must be a positive"),
+        (dict(adjoint_rtol=0.0), ValueError, "`adjoint_rtol`"),
+        (dict(max_steps=0), ValueError, "`max_steps` must be a positive int"),
+        (dict(max_steps=10.5), TypeError, "`max_steps` must be a positive int"),
+        (dict(on_failure="warn"), ValueError, "'raise', 'nan', 'ignore'"),
+        (dict(args=("a",)), TypeError, r"`args\[0\]` must be an array"),
+        (dict(f=lambda y, t, k: jnp.zeros(3)), ValueError, r"f\(y0, t, \*args\) must have"),
+        (dict(f=lambda y, t, k: (y, y)), ValueError, "same pytree structure"),
+        (dict(f=lambda y, t, k: jnp.zeros(2, jnp.int32)), ValueError, "dtype"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    call = dict(f=decay, y0=jnp.ones(2), ts=jnp.array([0.0, 1.0]), args=(1.0,))
+    call.update(kwargs)
+    f, y0, ts, args = (call.pop(key) for key in ("f", "y0", "ts", "args"))
+    with pytest.raises(error, match=match):
+        odeint(f, y0, ts, *args, **call)

@@ -1,0 +1,443 @@
+"""Tests of solvers.root / solvers.newton: roots, implicit derivatives, transformations, failures.
+
+Expected values never come from the code under test: roots are known in closed form or
+come from SciPy in float64, derivatives from the implicit-function formula
+``dx/dθ = -(∂F/∂x)⁻¹ ∂F/∂θ`` evaluated with NumPy.
+"""
+
+import doctest
+import sys
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+import solvers
+
+root_module = sys.modules["solvers.root"]
+
+METHODS = ("newton", "chord", "broyden")
+
+# --------------------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------------------
+
+# Elementwise cubic x³ + a x = b with known roots.
+X_STAR = np.array([1.0, 2.0, 3.0])
+A_COEF = 2.0
+B_RHS = X_STAR**3 + A_COEF * X_STAR
+
+
+def cubic(x, a, b):
+    return x**3 + a * x - b
+
+
+def cubic_slope(x, a):  # ∂F/∂x (diagonal)
+    return 3 * x**2 + a
+
+
+# Coupled: A x + θ x³ = b.
+MAT = np.array(
+    [[4.0, 1.0, 0.0, 0.5], [1.0, 3.0, 1.0, 0.0], [0.0, 1.0, 5.0, 1.0], [0.5, 0.0, 1.0, 3.0]]
+)
+B_COUPLED = np.array([1.0, -2.0, 3.0, 0.5])
+THETA = 0.7
+
+
+def coupled(x, theta, b):
+    return jnp.asarray(MAT, x.dtype) @ x + theta * x**3 - b
+
+
+def coupled_reference(theta, b):
+    """Root (SciPy, float64) and the gradient of sum(x*) w.r.t. (theta, b) by the IFT."""
+    fun = lambda x: MAT @ x + theta * x**3 - b  # noqa: E731
+    jac = lambda x: MAT + np.diag(3 * theta * x**2)  # noqa: E731
+    x = scipy.optimize.fsolve(fun, np.zeros(4), fprime=jac, xtol=1e-14)
+    w = np.linalg.solve(jac(x).T, np.ones(4))  # J⁻ᵀ 1
+    return x, -w @ x**3, w
+
+
+def sum_root(theta, b, **options):
+    return jnp.sum(solvers.root(coupled, jnp.zeros(4), theta, b, **options))
+
+
+# Shared jitted functions (compiled once for the whole module).
+cube_root = jax.jit(lambda a: solvers.newton(lambda x, a: x**3 - a, jnp.ones_like(a), a))
+
+
+# --------------------------------------------------------------------------------------
+# Roots
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, jacobian",
+    [
+        ("newton", "dense"),
+        ("newton", "matfree"),
+        ("chord", "dense"),
+        ("broyden", "dense"),
+        ("broyden", "matfree"),
+    ],
+)
+def test_known_roots(method, jacobian):
+    x, info = solvers.root(
+        cubic,
+        jnp.ones(3),
+        A_COEF,
+        B_RHS.astype(np.float32),
+        method=method,
+        jacobian=jacobian,
+        full_output=True,
+    )
+    assert x.dtype == jnp.float32
+    np.testing.assert_allclose(x, X_STAR, rtol=2e-5)
+    assert bool(info.converged) and 0 < int(info.num_steps) < 100
+    assert float(info.residual) < 1e-3
+    assert int(info.status) == 0
+
+
+def test_newton_is_root_with_method_newton():
+    args = (jnp.ones(3), A_COEF, jnp.asarray(B_RHS, jnp.float32))
+    np.testing.assert_array_equal(solvers.newton(cubic, *args), solvers.root(cubic, *args))
+    with pytest.raises(TypeError, match="method"):
+        solvers.newton(cubic, *args, method="broyden")
+
+
+def test_scalar_and_float64(x64):
+    x = solvers.newton(lambda x, a: x**3 - a, 1.0, 2.0)
+    assert x.dtype == jnp.float64 and x.shape == ()
+    np.testing.assert_allclose(x, 2 ** (1 / 3), rtol=1e-13)
+
+
+def test_line_search_rescues_newton_where_full_steps_diverge():
+    # Newton on arctan diverges from |x0| > 1.39 (steps overshoot and grow).
+    F = lambda x: jnp.arctan(x)  # noqa: E731
+    x_full, info_full = solvers.newton(
+        F, jnp.array([2.0]), line_search=False, on_failure="ignore", full_output=True
+    )
+    assert not bool(info_full.converged)
+    x, info = solvers.newton(F, jnp.array([2.0]), full_output=True)
+    assert bool(info.converged)
+    np.testing.assert_allclose(x, [0.0], atol=1e-6)
+
+
+def test_broyden_with_small_memory_recomputes_the_jacobian(x64):
+    x_ref, _, _ = coupled_reference(THETA, B_COUPLED)
+    x = solvers.root(
+        coupled, jnp.zeros(4), THETA, jnp.asarray(B_COUPLED), method="broyden", history_size=1
+    )
+    np.testing.assert_allclose(x, x_ref, rtol=1e-8)
+
+
+def test_large_system_is_matrix_free():
+    # n = 100,000: a dense Jacobian would need 40 GB; the default never forms one.
+    n = 100_000
+    b = jnp.linspace(-1.0, 1.0, n)
+
+    def F(x, b):
+        return 2 * x + 0.5 * x**3 - 0.5 * (jnp.roll(x, 1) + jnp.roll(x, -1)) - b
+
+    solve = jax.jit(lambda b: solvers.newton(F, jnp.zeros(n), b))
+    compiled = solve.lower(b).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is not None:
+        assert analysis.temp_size_in_bytes < 200 * n * 4  # a Krylov basis, not n² entries
+    x = compiled(b)
+    assert float(jnp.max(jnp.abs(F(x, b)))) < 1e-4
+
+
+# --------------------------------------------------------------------------------------
+# Derivatives
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(method="newton", jacobian="dense"),
+        dict(method="newton", jacobian="matfree"),
+        dict(method="chord"),
+        dict(method="broyden"),
+        dict(method="newton", linear_solver="gmres"),
+        dict(method="newton", rule="jvp"),
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_gradient_matches_implicit_function_formula(options, x64):
+    x_ref, g_theta, g_b = coupled_reference(THETA, B_COUPLED)
+    b = jnp.asarray(B_COUPLED)
+
+    # Default float64 tolerances (rtol 1e-8): x and its gradient to about that accuracy.
+    def solve_and_grad(theta, b):
+        x = solvers.root(coupled, jnp.zeros(4), theta, b, **options)
+        return x, jax.grad(sum_root, argnums=(0, 1))(theta, b, **options)
+
+    x, grads = jax.jit(solve_and_grad)(THETA, b)
+    np.testing.assert_allclose(x, x_ref, rtol=1e-7)
+    np.testing.assert_allclose(grads[0], g_theta, rtol=1e-6)
+    np.testing.assert_allclose(grads[1], g_b, rtol=1e-6)
+
+
+def test_gradient_float32_and_callable_linear_solver():
+    b = jnp.asarray(B_RHS, jnp.float32)
+    expected_b = 1 / cubic_slope(X_STAR, A_COEF)
+    expected_a = np.sum(-X_STAR / cubic_slope(X_STAR, A_COEF))
+
+    def loss(a, b, **options):
+        return jnp.sum(solvers.root(cubic, jnp.ones(3), a, b, **options))
+
+    diagonal = lambda matvec, rhs: rhs / matvec(jnp.ones_like(rhs))  # noqa: E731
+    for options in (dict(), dict(linear_solver=diagonal)):
+        grad = jax.jit(lambda a, b: jax.grad(loss, argnums=(0, 1))(a, b, **options))
+        g_a, g_b = grad(jnp.float32(A_COEF), b)
+        assert g_b.dtype == jnp.float32
+        np.testing.assert_allclose(g_a, expected_a, rtol=1e-4)
+        np.testing.assert_allclose(g_b, expected_b, rtol=1e-4)
+
+
+def test_jit_vmap_and_jacrev():
+    a = jnp.array([1.0, 8.0, 27.0])
+    np.testing.assert_allclose(cube_root(a), [1.0, 2.0, 3.0], rtol=1e-6)
+    batched = jax.vmap(lambda a: solvers.newton(lambda x, a: x**3 - a, 1.0, a))(a)
+    np.testing.assert_allclose(batched, [1.0, 2.0, 3.0], rtol=1e-6)
+    # d cbrt(a) / da = 1 / (3 a^(2/3)), a diagonal Jacobian.
+    jac = jax.jit(jax.jacrev(cube_root))(a)
+    np.testing.assert_allclose(jac, np.diag(1 / (3 * np.array([1.0, 4.0, 9.0]))), atol=1e-6)
+
+
+def test_vmap_over_initial_guess_and_parameters(x64):
+    bs = jnp.stack([jnp.asarray(B_COUPLED), 2 * jnp.asarray(B_COUPLED)])
+    x0s = jnp.stack([jnp.zeros(4), jnp.ones(4)])
+    xs = jax.vmap(lambda x0, b: solvers.newton(coupled, x0, THETA, b))(x0s, bs)
+    for x, b in zip(xs, bs):
+        np.testing.assert_allclose(x, coupled_reference(THETA, np.asarray(b))[0], rtol=1e-9)
+
+
+def test_grad_of_grad(x64):
+    # x = a^(1/3): x'' = -2/9 a^(-5/3).
+    f = lambda a: solvers.newton(lambda x, a: x**3 - a, 1.0, a)  # noqa: E731
+    g, gg = jax.jit(lambda a: (jax.grad(f)(a), jax.grad(jax.grad(f))(a)))(8.0)
+    np.testing.assert_allclose(g, 1 / 12, rtol=1e-10)
+    np.testing.assert_allclose(gg, -2 / 9 * 8.0 ** (-5 / 3), rtol=1e-8)
+
+
+def test_forward_mode_and_hessian_with_jvp_rule(x64):
+    a = jnp.float64(A_COEF)
+    b = jnp.asarray(B_RHS)
+    slope = cubic_slope(X_STAR, A_COEF)
+
+    def x_of_b(b):
+        return solvers.root(cubic, jnp.ones(3), a, b, rule="jvp")
+
+    @jax.jit
+    def derivatives(b):
+        _, tangent = jax.jvp(x_of_b, (b,), (jnp.ones(3),))
+        return jax.jacfwd(x_of_b)(b), tangent, jax.hessian(lambda b: jnp.sum(x_of_b(b)))(b)
+
+    jac, tangent, hess = derivatives(b)
+    np.testing.assert_allclose(jac, np.diag(1 / slope), rtol=1e-9)
+    np.testing.assert_allclose(tangent, 1 / slope, rtol=1e-9)
+    # d²x_i/db_i² = -6 x / (3x² + a)³ (diagonal).
+    np.testing.assert_allclose(hess, np.diag(-6 * X_STAR / slope**3), rtol=1e-7, atol=1e-12)
+
+
+def test_pytrees(x64):
+    class Params(NamedTuple):
+        scale: jax.Array
+        shift: jax.Array
+
+    def F(x, p):  # u³ = p.shift·scale, v + v³ = p.shift (elementwise), t = 2 u
+        return {
+            "u": x["u"] ** 3 - p.shift[0] * p.scale,
+            "v": x["v"] + x["v"] ** 3 - p.shift,
+            "w": (x["w"][0] - 2 * x["u"], x["w"][1] - 1.0),
+        }
+
+    x0 = {"u": 1.0, "v": jnp.zeros(2), "w": (jnp.float64(0.0), jnp.zeros(3))}
+    p = Params(jnp.float64(4.0), jnp.array([2.0, 10.0]))
+    x = solvers.newton(F, x0, p)
+    assert jax.tree.structure(x) == jax.tree.structure(x0)
+    np.testing.assert_allclose(x["u"], 2.0, rtol=1e-10)
+    np.testing.assert_allclose(x["v"], [1.0, 2.0], rtol=1e-10)
+    np.testing.assert_allclose(x["w"][0], 4.0, rtol=1e-10)
+    # d(u + w0)/d(scale) = 3 du/dscale = 3 shift0 / (3 u²) = 3 * 2 / 12.
+    g = jax.jit(jax.grad(lambda p: solvers.newton(F, x0, p)["u"] * 3))(p)
+    assert isinstance(g, Params)
+    np.testing.assert_allclose(g.scale, 3 * 2.0 / 12.0, rtol=1e-8)
+    np.testing.assert_allclose(g.shift, [3 * 4.0 / 12.0, 0.0], rtol=1e-8, atol=1e-12)
+    tup = solvers.newton(lambda x: (x[0] ** 2 - 4.0, x[1] - x[0]), (1.0, 0.0))
+    np.testing.assert_allclose(tup, (2.0, 2.0), rtol=1e-6)
+
+
+def test_closed_over_traced_values(x64):
+    def solve(theta):
+        F = lambda x: coupled(x, theta, jnp.asarray(B_COUPLED))  # noqa: E731 - closes over θ
+        return jnp.sum(solvers.newton(F, jnp.zeros(4)))
+
+    _, g_theta, _ = coupled_reference(THETA, B_COUPLED)
+    np.testing.assert_allclose(jax.grad(solve)(THETA), g_theta, rtol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(solve))(THETA), g_theta, rtol=1e-7)
+
+
+def test_initial_guess_gets_zero_cotangent():
+    g = jax.grad(lambda x0: solvers.newton(lambda x, a: x**3 - a, x0, 8.0))(1.0)
+    assert g == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# Bad input (call time, before any iteration)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: solvers.root("F", 1.0), TypeError, "`F` must be callable"),
+        (lambda: solvers.root(lambda x: x[:2], jnp.ones(3)), ValueError, "shape"),
+        (lambda: solvers.root(lambda x: x.astype(jnp.int32), jnp.ones(3)), ValueError, "dtype"),
+        (lambda: solvers.root(lambda x: (x, x), jnp.ones(3)), ValueError, "structure"),
+        (lambda: solvers.root(lambda x: x, "1.0"), TypeError, "`x0`"),
+        (lambda: solvers.root(lambda x: x, None), ValueError, "`x0`"),
+        (lambda: solvers.root(lambda x: x, 1.0, method="halley"), ValueError, "'broyden'"),
+        (lambda: solvers.root(lambda x: x, 1.0, jacobian="sparse"), ValueError, "'matfree'"),
+        (lambda: solvers.root(lambda x: x, 1.0, rtol=0.0), ValueError, "`rtol`"),
+        (lambda: solvers.root(lambda x: x, 1.0, atol=-1e-3), ValueError, "`atol`"),
+        (lambda: solvers.root(lambda x: x, 1.0, max_steps=0), ValueError, "`max_steps`"),
+        (lambda: solvers.root(lambda x: x, 1.0, max_steps=2.5), TypeError, "`max_steps`"),
+        (lambda: solvers.root(lambda x: x, 1.0, history_size=0), ValueError, "`history_size`"),
+        (lambda: solvers.root(lambda x: x, 1.0, line_search="yes"), TypeError, "line_search"),
+        (lambda: solvers.root(lambda x: x, 1.0, linear_solver="lu"), ValueError, "'gmres'"),
+        (lambda: solvers.root(lambda x: x, 1.0, rule="fwd"), ValueError, "`rule`"),
+        (lambda: solvers.root(lambda x: x, 1.0, on_failure="warn"), ValueError, "'nan'"),
+        (
+            lambda: solvers.root(lambda x: x, 1.0, rule="jvp", linear_solver="neumann"),
+            ValueError,
+            "rule='vjp'",
+        ),
+        (lambda: solvers.root(lambda x, s: x, 1.0, "text"), TypeError, "args"),
+    ],
+)
+def test_bad_input_is_reported_at_call_time(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_integer_initial_guess_is_promoted():
+    x = solvers.newton(lambda x: x**2 - 4.0, 1)
+    assert x.dtype == jnp.float32
+    np.testing.assert_allclose(x, 2.0, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# Failures at run time
+# --------------------------------------------------------------------------------------
+
+no_root = lambda x, c: x**2 + c  # noqa: E731 - no real root for c > 0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_non_convergence_raises_with_a_clear_message(jit):
+    run = lambda c: solvers.newton(no_root, 1.0, c)  # noqa: E731
+    if jit:
+        run = jax.jit(run)
+    with pytest.raises(Exception, match=r"solvers.root\(method='newton'\) did not converge") as e:
+        jax.block_until_ready(run(1.0))
+    assert "steps taken" in str(e.value) and "residual" in str(e.value)
+    if not jit:
+        assert isinstance(e.value, solvers.ConvergenceError)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_step_cap_is_reported(jit):
+    run = lambda: solvers.newton(lambda x: x**3 - 1000.0, 1.0, max_steps=2)  # noqa: E731
+    if jit:
+        run = jax.jit(run)
+    with pytest.raises(Exception, match=r"2 steps taken \(max_steps=2\), final residual"):
+        jax.block_until_ready(run())
+
+
+def test_singular_jacobian_at_the_initial_guess_is_a_clear_failure():
+    F = lambda x: x**2 - 2.0  # noqa: E731 - F'(0) = 0
+    with pytest.raises(solvers.ConvergenceError, match="Jacobian is singular"):
+        solvers.newton(F, 0.0)
+    x, info = solvers.newton(F, 0.0, on_failure="ignore", full_output=True)
+    assert x == 0.0 and not bool(info.converged)
+    assert root_module.REASONS[int(info.status) - 1].startswith("the Jacobian is singular")
+    assert np.isnan(solvers.newton(F, 0.0, on_failure="nan"))
+
+
+def test_on_failure_nan_under_vmap_marks_only_failed_elements():
+    c = jnp.array([-4.0, 1.0, -9.0])
+    xs, info = jax.vmap(
+        lambda c: solvers.newton(no_root, 1.0, c, on_failure="nan", full_output=True)
+    )(c)
+    np.testing.assert_allclose(np.asarray(xs)[[0, 2]], [2.0, 3.0], rtol=1e-6)
+    assert np.isnan(xs[1])
+    np.testing.assert_array_equal(info.converged, [True, False, True])
+    with pytest.raises(Exception, match="did not converge"):
+        jax.block_until_ready(jax.vmap(lambda c: solvers.newton(no_root, 1.0, c))(c))
+
+
+def test_full_output_fields():
+    max_steps = 30
+    x, info = solvers.newton(lambda x: x**3 - 8.0, 1.0, full_output=True, max_steps=max_steps)
+    assert isinstance(info, solvers.Info)
+    assert info.converged.dtype == jnp.bool_ and bool(info.converged)
+    k = int(info.num_steps)
+    assert 2 < k < max_steps
+    assert float(info.residual) == pytest.approx(abs(float(x) ** 3 - 8.0), abs=1e-6)
+    assert info.residual_history.shape == (max_steps,)
+    assert np.all(np.isfinite(info.residual_history[:k]))
+    assert np.all(np.isnan(info.residual_history[k:]))
+    assert info.residual_history[k - 1] < 1e-4 < info.residual_history[0]
+    assert int(info.status) == 0
+
+
+# --------------------------------------------------------------------------------------
+# Compilation and use inside other programs
+# --------------------------------------------------------------------------------------
+
+
+def test_repeated_eager_calls_do_not_retrace():
+    calls = []
+
+    def F(x, a):
+        calls.append(1)
+        return x**3 - a
+
+    solvers.newton(F, 1.0, 2.0)
+    traced = len(calls)
+    assert traced > 0
+    for a in (3.0, 4.0, 5.0):
+        solvers.newton(F, 1.0, a)
+    assert len(calls) == traced
+
+
+def test_inside_a_jitted_loop_without_host_callbacks():
+    # Backward Euler for y' = -y³ : each step solves y - y_prev + h y³ = 0.
+    h = 0.1
+
+    def step(y, _):
+        F = lambda z, y_prev: z - y_prev + h * z**3  # noqa: E731
+        z, info = solvers.newton(F, y, y, on_failure="ignore", full_output=True)
+        return z, info.converged
+
+    run = jax.jit(lambda y0: jax.lax.scan(step, y0, None, length=20))
+    jaxpr = str(jax.make_jaxpr(run)(1.0))
+    assert "callback" not in jaxpr
+    y, converged = run(1.0)
+    assert bool(jnp.all(converged))
+    # Reference: the same recursion solved by SciPy.
+    y_ref = 1.0
+    for _ in range(20):
+        y_ref = scipy.optimize.brentq(lambda z: z - y_ref + h * z**3, -2.0, 2.0, xtol=1e-14)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5)
+
+
+def test_docstring_examples():
+    failures, tried = doctest.testmod(root_module)
+    assert tried > 0 and failures == 0
