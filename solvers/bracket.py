@@ -47,9 +47,10 @@ def bisection(
     """Find a root of a scalar function inside a sign-changing bracket, elementwise.
 
     Halves ``[lower, upper]`` keeping the half on which ``F`` changes sign, until it is
-    narrower than ``atol + rtol * |x|``; returns its midpoint. ``F`` acts elementwise
-    (``F(x)[i]`` depends on ``x[i]`` only), so ``lower``, ``upper`` and the arrays in
-    ``args`` broadcast together and each element is its own problem. Gradients with
+    narrower than ``atol + rtol * |x|``; returns its midpoint. ``F`` acts elementwise:
+    ``lower``, ``upper`` and the arrays in ``args`` broadcast together, and ``F(x)[i]``
+    depends only on ``x[i]`` and the ``i``-th elements of those arrays (arrays that do
+    not broadcast, e.g. shared coefficients, are used whole). Gradients with
     respect to ``args`` (and traced values ``F`` closes over) are ``-(∂F/∂θ) / (∂F/∂x)``;
     ``lower`` and ``upper`` get zero gradients.
 
@@ -304,10 +305,10 @@ _ACTIVE, _CONVERGED, _BAD_BRACKET, _NAN_INSIDE = 0, 1, 2, 3
 def _chunked(shape):
     """Solve in chunks of ``_CHUNK`` elements (CPU, large problems)?
 
-    Every step reads and writes the whole state (eight arrays); for 100,000 elements that
-    is several MB, beyond the CPU's caches. Chunks of 16,384 stay in cache and stop as soon
-    as their own elements have converged: about twice as fast on CPU. Accelerators prefer
-    one wide solve.
+    Every step reads and writes the whole state (five to nine arrays); for 100,000
+    elements that is several MB, beyond the CPU's caches. Chunks of 16,384 stay in cache
+    and stop as soon as their own elements have converged: about twice as fast on CPU.
+    Accelerators prefer one wide solve.
     """
     return math.prod(shape) >= 2 * _CHUNK and jax.default_backend() == "cpu"
 

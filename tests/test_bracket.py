@@ -279,8 +279,7 @@ def test_docstring_examples():
     assert tried > 0 and failures == 0
 
 
-@both
-def test_large_problems_in_chunks(method):
+def test_large_problems_in_chunks(method="chandrupatla"):  # bisection shares the chunking
     # 40,000 elements: solved in chunks on CPU. `c` (shape (2,)) is used whole by F, `a`
     # elementwise; one element's bracket has no sign change.
     n = 40_000
