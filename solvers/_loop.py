@@ -163,17 +163,6 @@ def apply_failure_policy(
     return x
 
 
-def _callback_if_failed(callback, converged, *operands):
-    # Transitional (the ODE adjoint still calls it): an effectful callback taken only on
-    # failure. New code uses `host_check`.
-    jax.lax.cond(
-        jnp.all(converged),
-        lambda *_: None,
-        lambda *ops: jax.debug.callback(callback, *ops),
-        *operands,
-    )
-
-
 def _under_transformation() -> bool:
     # True inside jit/vmap/grad tracing: there the failure check must be compiled in.
     return not _jax_core.trace_state_clean()
