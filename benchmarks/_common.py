@@ -74,6 +74,21 @@ def run_times_interleaved(calls, rounds=20, statistic="min"):
     return {name: pick(ts) for name, ts in times.items()}
 
 
+def time_rows(rows, timers, rounds, repeat=5):
+    """Fill ``row.values[metric]`` with run times in ms from ``timers[id(row)]``
+    (``metric -> (function, args)``), measured in interleaved rounds; each row keeps its
+    best round (a median of ``repeat`` calls), so a burst of load on the machine penalises
+    no row in particular."""
+    for _ in range(rounds):
+        for row in rows:
+            for metric, (fn, args) in timers.get(id(row), {}).items():
+                ms = 1e3 * run_time(fn, *args, repeat=repeat, min_time=0.05)
+                row.values[metric] = min(row.values.get(metric, float("inf")), ms)
+    for row in rows:
+        print(f"  {row.name}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.values.items()))
+    return rows
+
+
 def _fmt(value):
     if value is None:
         return "-"

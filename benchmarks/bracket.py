@@ -21,7 +21,8 @@ import numpy as np
 import scipy.optimize
 
 import solvers
-from benchmarks._common import OURS, Row, compile_time, print_table, run_time
+from benchmarks._common import time_rows as _common_time_rows
+from benchmarks._common import OURS, Row, compile_time, print_table
 
 N = 100_000
 LOWER, UPPER = 0.0, 100.0
@@ -118,17 +119,7 @@ TIMERS = {}  # id(row) -> {metric: (function, args)}
 
 
 def time_rows(rows, rounds=TIMING_ROUNDS):
-    """Run times in milliseconds, measured in interleaved rounds; each row keeps its best
-    round (a median of several calls), so a burst of load on the machine penalises no row
-    in particular."""
-    for _ in range(rounds):
-        for row in rows:
-            for metric, (fn, args) in TIMERS.get(id(row), {}).items():
-                ms = 1e3 * run_time(fn, *args, repeat=5, min_time=0.05)
-                row.values[metric] = min(row.values.get(metric, float("inf")), ms)
-    for row in rows:
-        print(f"  {row.name}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.values.items()))
-    return rows
+    return _common_time_rows(rows, TIMERS, rounds, repeat=5)
 
 
 def brentq_row(a64, x_ref):

@@ -142,12 +142,20 @@ def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
 
 
-def default_tolerances(tree):
-    """(rtol, atol) defaults for the floating dtype of ``tree``."""
-    dtype = jnp.result_type(*jax.tree.leaves(tree))
+def default_tolerances(dtype):
+    """(rtol, atol) defaults for a floating dtype: 1e-5/1e-6 (float32), 1e-8/1e-10 (float64)."""
     if jnp.finfo(dtype).bits >= 64:
         return 1e-8, 1e-10
     return 1e-5, 1e-6
+
+
+def tolerances(rtol, atol, dtype):
+    """The user's ``rtol``/``atol`` (``None``: the dtype's defaults) as scalars of ``dtype``."""
+    default_rtol, default_atol = default_tolerances(dtype)
+    return (
+        as_scalar(default_rtol if rtol is None else rtol, dtype),
+        as_scalar(default_atol if atol is None else atol, dtype),
+    )
 
 
 def check_args(args, name: str = "args"):

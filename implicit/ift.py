@@ -142,8 +142,8 @@ def _implicit_solve(
     solver_fn, solver_consts = jax.closure_convert(solver, x0, *args)
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
-    default_rtol, default_atol = _checks.default_tolerances(x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
+    default_rtol, default_atol = _checks.default_tolerances(dtype)
     eps = float(jnp.finfo(dtype).eps)
     # A solve cannot be more accurate than a few ulps; asking for more only burns steps.
     tol = (

@@ -12,6 +12,7 @@ iterate.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +22,15 @@ from jax._src import core as _jax_core
 
 from implicit._host import host_check
 
-__all__ = ["ConvergenceError", "Info", "iterate", "max_norm", "dispatch", "apply_failure_policy"]
+__all__ = [
+    "ConvergenceError",
+    "Info",
+    "apply_failure_policy",
+    "dispatch",
+    "iterate",
+    "jit_solver",
+    "max_norm",
+]
 
 
 class ConvergenceError(RuntimeError):
@@ -161,6 +170,18 @@ def apply_failure_policy(
         # always True when it returns (the host raises otherwise).
         return jax.tree.map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
     return x
+
+
+def jit_solver(impl):
+    """``jax.jit`` a solver's implementation with its keyword-only parameters static.
+
+    Convention of every solver here: arrays (the guess, parameters, tolerances) are
+    positional and traced, so changing them never recompiles; the function, method
+    names and other options are keyword-only and static (hashable).
+    """
+    params = inspect.signature(impl).parameters.values()
+    static = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    return jax.jit(impl, static_argnames=static)
 
 
 def _under_transformation() -> bool:

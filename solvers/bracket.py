@@ -10,7 +10,6 @@ come from the implicit function theorem with a diagonal Jacobian (one JVP of one
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -178,14 +177,12 @@ def _bracketed(
     lower = _checks.as_floating_array(lower, "lower")
     upper = _checks.as_floating_array(upper, "upper")
     dtype = jnp.result_type(lower, upper)
-    default_rtol, default_atol = _checks.default_tolerances(jnp.zeros((), dtype))
     return _loop.dispatch(
         _solve,
         lower.astype(dtype),
         upper.astype(dtype),
         args,
-        jnp.asarray(default_rtol if rtol is None else rtol, dtype),
-        jnp.asarray(default_atol if atol is None else atol, dtype),
+        *_checks.tolerances(rtol, atol, dtype),
         F=F,
         method=method,
         rule=rule,
@@ -204,20 +201,7 @@ def _diagonal_solve(matvec, b):
     return b / matvec(jnp.ones_like(b))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "F",
-        "method",
-        "rule",
-        "linear_solver",
-        "on_failure",
-        "record_history",
-        "solver",
-        "check",
-        "max_steps",
-    ),
-)
+@_loop.jit_solver
 def _solve(
     lower,
     upper,

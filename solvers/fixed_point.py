@@ -102,14 +102,12 @@ def fixed_point(
             linear_solver = "neumann"
         else:
             linear_solver = "dense" if size <= DENSE_MAX_SIZE else "gmres"
-    default_rtol, default_atol = _checks.default_tolerances(x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     return _loop.dispatch(
         _solve,
         x0,
         args,
-        _checks.as_scalar(default_rtol if rtol is None else rtol, dtype),
-        _checks.as_scalar(default_atol if atol is None else atol, dtype),
+        *_checks.tolerances(rtol, atol, dtype),
         _checks.as_scalar(damping, dtype),
         _checks.as_scalar(regularization, dtype),
         f=f,
@@ -125,21 +123,7 @@ def fixed_point(
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "f",
-        "method",
-        "history_size",
-        "rule",
-        "linear_solver",
-        "on_failure",
-        "record_history",
-        "solver",
-        "check",
-        "max_steps",
-    ),
-)
+@_loop.jit_solver
 def _solve(
     x0,
     args,

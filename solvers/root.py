@@ -18,7 +18,6 @@ failure (singular Jacobian, no decrease), never a NaN handed back without notice
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -133,14 +132,12 @@ def root(
         jacobian = "dense" if size <= DENSE_MAX_SIZE else "matfree"
     if linear_solver == "auto":
         linear_solver = "dense" if jacobian == "dense" else "gmres"
-    default_rtol, default_atol = _checks.default_tolerances(x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     return _loop.dispatch(
         _solve,
         x0,
         args,
-        jnp.asarray(default_rtol if rtol is None else rtol, dtype),
-        jnp.asarray(default_atol if atol is None else atol, dtype),
+        *_checks.tolerances(rtol, atol, dtype),
         F=F,
         method=method,
         jacobian=jacobian,
@@ -172,23 +169,7 @@ def newton(F, x0, *args, **options):
     return root(F, x0, *args, method="newton", **options)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "F",
-        "method",
-        "jacobian",
-        "line_search",
-        "history_size",
-        "rule",
-        "linear_solver",
-        "on_failure",
-        "record_history",
-        "solver",
-        "check",
-        "max_steps",
-    ),
-)
+@_loop.jit_solver
 def _solve(
     x0,
     args,

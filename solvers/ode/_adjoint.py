@@ -207,21 +207,10 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             status, t_fail = jnp.asarray(_integrate.RUNNING, jnp.int32), ts[0]
         else:
             lam, theta_bar, status, t_fail = backsolve(zs, ts, theta, const, ctl, gz)
-        dz0 = G(zs[0, :n_u], ts[0], theta, const)
-        t_bar0 = -jnp.dot(lam, dz0)
-        z0_bar = lam + gz[0]
-        dzs = jax.vmap(lambda u, t: G(u, t, theta, const))(zs[1:, :n_u], ts[1:])
-        ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
-        failed = status != _integrate.RUNNING
-        if on_failure == "nan":
-            z0_bar, ts_bar, theta_bar = (
-                jnp.where(failed, jnp.nan, v) for v in (z0_bar, ts_bar, theta_bar)
-            )
-        elif on_failure == "raise":
-            ok = report(status, t_fail)
-            z0_bar, ts_bar, theta_bar = (
-                jnp.where(ok, v, jnp.nan) for v in (z0_bar, ts_bar, theta_bar)
-            )
+        z0_bar, ts_bar, theta_bar = _finish(
+            lambda u, t: G(u, t, theta, const), zs[:, :n_u], ts, gz, lam, theta_bar,
+            status, t_fail, on_failure=on_failure, report=report,
+        )
         return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
 
     solve.defvjp(solve_fwd, solve_bwd)
@@ -308,19 +297,30 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
         interval, init, jnp.arange(T - 1, 0, -1)
     )
-    t_bar0 = -jnp.dot(lam, rhs(zs[0], ts[0]))
-    z0_bar = lam + gz[0]
-    dzs = jax.vmap(rhs)(zs[1:], ts[1:])
-    ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
-    failed = status != _integrate.RUNNING
-    if on_failure == "nan":
-        z0_bar, ts_bar, theta_bar = (
-            jnp.where(failed, jnp.nan, v) for v in (z0_bar, ts_bar, theta_bar)
-        )
-    elif on_failure == "raise":
-        ok = report(status, t_fail)
-        z0_bar, ts_bar, theta_bar = (jnp.where(ok, v, jnp.nan) for v in (z0_bar, ts_bar, theta_bar))
+    z0_bar, ts_bar, theta_bar = _finish(
+        rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
+    )
     z0_bar, ts_bar, theta_bar = _first_order_only(
         (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
     )
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
+
+
+def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, report):
+    """Cotangents of ``y0`` and ``ts`` from the adjoint at ``ts[0]``, then ``on_failure``.
+
+    ``rhs(u, t)`` is the right-hand side at the stored outputs ``us``; ``dL/dt_i`` is
+    ``gz_i · f(y_i, t_i)`` for the later times and ``-λ · f(y_0, t_0)`` for the first.
+    """
+    t_bar0 = -jnp.dot(lam, rhs(us[0], ts[0]))
+    z0_bar = lam + gz[0]
+    dzs = jax.vmap(rhs)(us[1:], ts[1:])
+    ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
+    cotangents = (z0_bar, ts_bar, theta_bar)
+    if on_failure == "nan":
+        failed = status != _integrate.RUNNING
+        cotangents = tuple(jnp.where(failed, jnp.nan, v) for v in cotangents)
+    elif on_failure == "raise":
+        ok = report(status, t_fail)
+        cotangents = tuple(jnp.where(ok, v, jnp.nan) for v in cotangents)
+    return cotangents

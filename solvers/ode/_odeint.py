@@ -152,9 +152,7 @@ def odeint(
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
-    default_rtol, default_atol = _checks.default_tolerances(y0)
-    rtol = jnp.asarray(default_rtol if rtol is None else rtol, dtype)
-    atol = jnp.asarray(default_atol if atol is None else atol, dtype)
+    rtol, atol = _checks.tolerances(rtol, atol, dtype)
     tols = (
         rtol,
         atol,
@@ -190,12 +188,7 @@ def _make_stepper(method):
     return functools.partial(explicit_stepper, tab)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "f", "method", "adjoint", "window", "on_failure", "solver", "check", "max_steps"
-    ),
-)
+@_loop.jit_solver
 def _solve(
     y0, ts, args, tols, *, f, method, adjoint, window, on_failure, solver, check, max_steps
 ):
