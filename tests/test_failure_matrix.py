@@ -19,9 +19,9 @@ the code under test. Batches are ``[good, bad]`` (``vmap``) or ``[good, bad, goo
 (array arguments of the elementwise bracket solvers).
 
 Cost: the user functions are module-level (so the solvers' compile caches are shared
-between tests); the default run covers every case and policy in the ``vmap`` and
-``vmap``-of-``grad`` modes (which contain the failing element), plus every mode for
-``raise``; the full cross product is ``@pytest.mark.slow``.
+between tests). The default run covers every case and policy once, batched (``vmap`` of
+``grad``, or the array batch of the elementwise solvers), and ``raise`` eagerly; the full
+cross product is ``@pytest.mark.slow`` (``make test-slow``).
 """
 
 from __future__ import annotations
@@ -278,7 +278,6 @@ CASES = _cases()
 POLICIES = ("raise", "nan", "ignore")
 MODES = ("eager", "jit", "vmap", "grad", "vmap_grad")
 ARRAY_MODES = ("array", "array_grad")  # elementwise solvers: the batch as an array argument
-FAST_MODES = ("vmap", "vmap_grad")  # the default run; every mode for "raise"
 
 assert all(c.status in STATUSES for c in CASES)
 
@@ -388,14 +387,24 @@ def _tolerances(case):
 # --------------------------------------------------------------------------------------
 
 
-def _params(modes_for_policy):
+def _fast(case, policy, mode):
+    """The default run (the rest is `slow`): every case and policy once, batched."""
+    if policy == "raise":
+        # Eagerly for every case; through the compiled check (vmap of grad) once per solver.
+        return mode == "eager" or (mode == "vmap_grad" and case.kind == "nan")
+    if case.ode:
+        # kvaerno5's adjoint compiles slowly: its gradient modes are `slow`.
+        return mode == ("vmap_grad" if case.label == "odeint[dopri5]" else "vmap")
+    return mode == ("array_grad" if case.elementwise else "vmap_grad")
+
+
+def _params():
     params = []
     for case in CASES:
         modes = MODES + (ARRAY_MODES if case.elementwise else ())
         for policy in POLICIES:
             for mode in modes:
-                fast = mode in modes_for_policy(policy)
-                marks = () if fast else (pytest.mark.slow,)
+                marks = () if _fast(case, policy, mode) else (pytest.mark.slow,)
                 params.append(
                     pytest.param(case, policy, mode, marks=marks,
                                  id=f"{case.id}-{policy}-{mode}")
@@ -403,11 +412,7 @@ def _params(modes_for_policy):
     return params
 
 
-def _fast_modes(policy):
-    return MODES + ARRAY_MODES if policy == "raise" else FAST_MODES + ("array_grad",)
-
-
-@pytest.mark.parametrize("case, policy, mode", _params(_fast_modes))
+@pytest.mark.parametrize("case, policy, mode", _params())
 def test_failure_matrix(case, policy, mode):
     batch = _batch(case, mode)
     if policy == "raise":
@@ -435,7 +440,7 @@ def _check_batch_and_status(case, mode, res, batched):
     """converged/status of the failing element (index 1 of a batch) and of the good ones."""
     _check_converged_is_finite(case, res)
     conv = np.asarray(res.info.converged)
-    names = np.atleast_1d(status_name(res.info.status))
+    names = status_name(np.atleast_1d(res.info.status))
     if batched:
         assert not conv[1], f"{case.id}: the failing element reports converged"
         assert names[1] == case.status, f"{case.id}: status {names[1]!r}, not {case.status!r}"
@@ -527,6 +532,11 @@ def test_elementwise_nan_keeps_the_other_elements_and_gradients(name):
     assert np.all(np.isfinite(g[[0, 2]])), g
     np.testing.assert_allclose(g[[0, 2]], [1 / (3 * 8 ** (2 / 3)), 1 / (3 * 27 ** (2 / 3))],
                                rtol=1e-3)
+
+
+def test_status_name_of_one_code_is_a_str():
+    assert status_name(np.int32(0)) == "converged"
+    assert list(status_name(np.array([0, 2]))) == ["converged", "nonfinite"]
 
 
 def test_status_docstring_example_diverges_to_nonfinite():
