@@ -180,8 +180,10 @@ def test_on_failure_nan_marks_only_failed_batch_elements():
         jnp.array([0.0, 1.0])
     )
     assert out[0] == 0.0 and np.isnan(out[1])
+    # The guess is tested first, then 3 steps; the result is the next iterate after the
+    # last one tested (f there is already known): x_4 = 1 + 0.999 + 0.999^2 + 0.999^3.
     last = solvers.fixed_point(_slow, 0.0, 1.0, max_steps=3, on_failure="ignore")
-    np.testing.assert_allclose(last, 1.0 + 0.999 + 0.999**2, rtol=1e-6)
+    np.testing.assert_allclose(last, 1.0 + 0.999 + 0.999**2 + 0.999**3, rtol=1e-6)
 
 
 def test_non_finite_residual_is_reported():

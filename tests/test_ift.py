@@ -7,6 +7,7 @@ import pytest
 import scipy.optimize
 
 import implicit
+import solvers
 from implicit import custom_fixed_point, custom_root, linear
 
 LINEAR = ["gmres", "bicgstab", "dense", "neumann", "jfb"]
@@ -252,7 +253,10 @@ def test_decorator_bad_input():
 def test_public_names():
     assert implicit.custom_root is custom_root
     assert implicit.custom_fixed_point is custom_fixed_point
-    assert set(linear.LINEAR_SOLVERS) == {"gmres", "bicgstab", "cg", "dense", "neumann", "jfb"}
+    assert set(linear.LINEAR_SOLVERS) == {
+        "gmres", "bicgstab", "cg", "dense", "diagonal", "neumann", "jfb"
+    }
+    assert implicit.AdjointSolveError is solvers.AdjointSolveError
 
 
 def test_adjoint_solve_failure_is_loud():
