@@ -190,11 +190,11 @@ def test_bad_bracket_nan_and_ignore(method):
 def test_non_finite_bracket_and_function(method):
     m = METHODS[method]
     with pytest.raises(solvers.ConvergenceError, match="no sign change"):
-        m(cube, 0.0, jnp.inf, 8.0)
+        jax.block_until_ready(m(cube, 0.0, jnp.inf, 8.0))
     # NaN inside the bracket is reported, not bisected around.
     F = lambda x: jnp.where(jnp.abs(x - 1.5) < 0.6, jnp.nan, x - 1.5)  # noqa: E731
     with pytest.raises(solvers.ConvergenceError, match="status 'nonfinite'"):
-        m(F, 0.0, 4.0)
+        jax.block_until_ready(m(F, 0.0, 4.0))
 
 
 @both
@@ -245,7 +245,7 @@ def test_full_output_fields():
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
-        call()
+        jax.block_until_ready(call())
 
 
 @both

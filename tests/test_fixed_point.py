@@ -159,7 +159,7 @@ def _slow(x, a):
 
 def test_non_convergence_raises_eagerly_with_details():
     with pytest.raises(solvers.ConvergenceError) as err:
-        solvers.fixed_point(_slow, 0.0, 1.0, max_steps=7)
+        jax.block_until_ready(solvers.fixed_point(_slow, 0.0, 1.0, max_steps=7))
     message = str(err.value)
     assert "solvers.fixed_point(method='iterate') did not converge" in message
     assert "7 steps" in message and "final residual" in message
@@ -188,7 +188,7 @@ def test_on_failure_nan_marks_only_failed_batch_elements():
 
 def test_non_finite_residual_is_reported():
     with pytest.raises(solvers.ConvergenceError, match="non-finite"):
-        solvers.fixed_point(lambda x, a: jnp.log(x - a), 0.5, 1.0)
+        jax.block_until_ready(solvers.fixed_point(lambda x, a: jnp.log(x - a), 0.5, 1.0))
 
 
 def test_gradient_memory_and_tracing_do_not_depend_on_steps():
@@ -270,4 +270,4 @@ def test_int_initial_guess_is_promoted():
 )
 def test_bad_input_is_rejected_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
-        call()
+        jax.block_until_ready(call())

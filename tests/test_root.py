@@ -104,7 +104,7 @@ def test_newton_is_root_with_method_newton():
     args = (jnp.ones(3), A_COEF, jnp.asarray(B_RHS, jnp.float32))
     np.testing.assert_array_equal(solvers.newton(cubic, *args), solvers.root(cubic, *args))
     with pytest.raises(TypeError, match="method"):
-        solvers.newton(cubic, *args, method="broyden")
+        jax.block_until_ready(solvers.newton(cubic, *args, method="broyden"))
 
 
 def test_scalar_and_float64(x64):
@@ -323,7 +323,7 @@ def test_initial_guess_gets_zero_cotangent():
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
-        call()
+        jax.block_until_ready(call())
 
 
 def test_integer_initial_guess_is_promoted():
@@ -363,7 +363,7 @@ def test_step_cap_is_reported(jit):
 def test_singular_jacobian_at_the_initial_guess_is_a_clear_failure():
     F = lambda x: x**2 - 2.0  # noqa: E731 - F'(0) = 0
     with pytest.raises(solvers.ConvergenceError, match="Jacobian is singular"):
-        solvers.newton(F, 0.0)
+        jax.block_until_ready(solvers.newton(F, 0.0))
     x, info = solvers.newton(F, 0.0, on_failure="ignore", full_output=True)
     assert x == 0.0 and not bool(info.converged)
     assert info.status_name == "singular" == solvers.status_name(info.status)
