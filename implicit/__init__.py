@@ -7,7 +7,7 @@ matplotlib imported lazily) complete it.
 """
 
 from implicit import linear, plot
-from implicit.ift import custom_fixed_point, custom_root
+from implicit.ift import AdjointSolveError, custom_fixed_point, custom_root
 from implicit.rules import (
     clip_gradient,
     debug_backward,
@@ -17,6 +17,7 @@ from implicit.rules import (
 )
 
 __all__ = [
+    "AdjointSolveError",
     "clip_gradient",
     "custom_fixed_point",
     "custom_root",

@@ -7,6 +7,7 @@ Python at call or trace time, before any iteration.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import jax
@@ -99,13 +100,49 @@ def as_floating(tree, name: str):
             raise TypeError(f"{where} must be real floating, got complex dtype {dtype}")
         # NumPy conversions keep eager calls cheap; jit takes NumPy arrays as they are.
         if jnp.issubdtype(dtype, jnp.floating):
-            out.append(leaf if hasattr(leaf, "dtype") else np.asarray(leaf, dtype))
+            out.append(_canonical_leaf(leaf) if hasattr(leaf, "dtype") else np.asarray(leaf, dtype))
         elif jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
             out.append(as_scalar(leaf, float_dtype) if jnp.ndim(leaf) == 0
                        else jnp.asarray(leaf, dtype=float_dtype))
         else:
             raise TypeError(f"{where} must be a floating array, got dtype {dtype}")
     return jax.tree.unflatten(treedef, out)
+
+
+def _canonical_leaf(leaf):
+    # JAX's dtype rules: a NumPy float64 array is float32 when x64 is off.
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        dtype = jax.dtypes.canonicalize_dtype(leaf.dtype)
+        if dtype != leaf.dtype:
+            return np.asarray(leaf, dtype)
+    return leaf
+
+
+def canonicalize(tree):
+    """NumPy leaves converted to the dtype JAX would give them (float64 -> float32 when
+    x64 is off); JAX arrays and tracers are already canonical."""
+    return jax.tree.map(_canonical_leaf, tree)
+
+
+def call_shape(fn, fn_name: str, *args):
+    """``jax.eval_shape(fn, *args)``, with a call that does not fit ``fn``'s signature
+    reported as such (naming the function and how it is called)."""
+    try:
+        return jax.eval_shape(fn, *args)
+    except TypeError as err:
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError:
+            pass  # the call does not fit the signature: explained below
+        except ValueError:
+            raise  # no signature to compare with: JAX's own error stands
+        else:
+            raise  # the signature fits: the TypeError is from inside fn
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise TypeError(
+            f"{fn_name} is called with {len(args)} positional arguments (the unknown, then "
+            f"the solver's *args), which does not fit {name}{inspect.signature(fn)}: {err}"
+        ) from err
 
 
 def as_scalar(value, dtype):
@@ -119,9 +156,21 @@ def check_like(out, ref, out_name: str, ref_name: str) -> None:
     """``out`` (arrays or ShapeDtypeStructs) must match ``ref`` in structure, shape and dtype."""
     out_tree, ref_tree = jax.tree.structure(out), jax.tree.structure(ref)
     if out_tree != ref_tree:
+        hint = ""
+        if (
+            isinstance(ref, (list, tuple))
+            and out_tree.num_leaves == 1
+            and all(jnp.ndim(leaf) == 0 for leaf in jax.tree.leaves(ref))
+        ):
+            hint = (
+                f"; {ref_name} is a Python {type(ref).__name__} of scalars, which JAX treats "
+                f"as a pytree of {len(jax.tree.leaves(ref))} separate scalars, while "
+                f"{out_name} is one array: pass {ref_name} as an array, "
+                f"e.g. jnp.array({ref_name})"
+            )
         raise ValueError(
             f"{out_name} must have the same pytree structure as {ref_name}: "
-            f"got {out_tree}, expected {ref_tree}"
+            f"got {out_tree}, expected {ref_tree}{hint}"
         )
     paths = jax.tree_util.tree_flatten_with_path(ref)[0]
     for (path, r), o in zip(paths, jax.tree.leaves(out)):

@@ -89,6 +89,7 @@ def custom_root(
 
         @functools.wraps(solver)
         def wrapped(x0, *args):
+            x0 = _checks.canonicalize(x0)
             return _implicit_solve(
                 residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, max_steps,
                 on_failure,
@@ -123,6 +124,10 @@ def custom_fixed_point(mapping, **options):
         return jax.tree.map(jnp.subtract, mapping(x, *args), x)
 
     return custom_root(residual, **options)
+
+
+def _all(tree):
+    return jnp.all(jnp.stack([jnp.all(leaf) for leaf in jax.tree.leaves(tree)]))
 
 
 def _zero_tangent(leaf):
@@ -168,7 +173,15 @@ def _implicit_solve(
             linear_solver, matvec, b, x, rtol=tol[0], atol=tol[1]
         )
         if on_failure == "raise":
-            ok = host_check(ok, _adjoint_failure(linear_solver), (ok, relative, tol[0]))
+            everywhere = _all(ok)
+            worst = jnp.max(jnp.stack([jnp.max(r) for r in jax.tree.leaves(relative)]))
+            flag = host_check(
+                everywhere, _adjoint_failure(linear_solver), (everywhere, worst, tol[0])
+            )
+            return jax.tree.map(lambda v: jnp.where(flag, v, jnp.nan), x)
+        # "nan": only what failed (elementwise for a diagonal solve, else the whole solve).
+        if jax.tree.structure(ok) == jax.tree.structure(x):
+            return jax.tree.map(lambda v, o: jnp.where(o, v, jnp.nan), x, ok)
         return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
     if rule == "vjp":

@@ -17,6 +17,9 @@ Methods (``linear_solver=``):
   ``(J - I) x = b``, and the iteration ``x <- x + matvec(x) - b`` is the Neumann series
   ``x = -(b + J b + J^2 b + ...)``. Converges when the spectral radius of ``J`` is
   below one; a solve that does not converge returns NaN (never a silent wrong value).
+- ``"diagonal"``: the exact solve ``x = b / matvec(1)`` of a *diagonal* system (an
+  elementwise residual, as in the bracketed solvers): one ``matvec``. Its convergence
+  check is elementwise, so one failed element leaves the others' derivatives intact.
 - ``"jfb"``: Jacobian-free backpropagation: approximates the system matrix by ``-I``
   (i.e. ``(I - J)^{-1} ~ I`` for fixed points), so ``x = -b``. Cheap and approximate.
 - a callable ``(matvec, b) -> x``.
@@ -37,8 +40,8 @@ __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve"]
 
 #: Names accepted by ``linear_solver=``. ``LINEAR_METHODS`` are the ones that are exact
 #: linear maps of ``b`` (usable in the forward-mode ``rule="jvp"``).
-LINEAR_SOLVERS = ("gmres", "bicgstab", "cg", "dense", "neumann", "jfb")
-LINEAR_METHODS = ("gmres", "bicgstab", "cg", "dense")
+LINEAR_SOLVERS = ("gmres", "bicgstab", "cg", "dense", "diagonal", "neumann", "jfb")
+LINEAR_METHODS = ("gmres", "bicgstab", "cg", "dense", "diagonal")
 
 
 def _vdot(a, b):
@@ -152,6 +155,11 @@ def _dense(matvec, b, rtol, atol, max_steps):
     return unravel(jnp.linalg.solve(columns.T, b_flat))
 
 
+def _diagonal(matvec, b, rtol, atol, max_steps):
+    del rtol, atol, max_steps
+    return b / matvec(jnp.ones_like(b))
+
+
 def _neumann(matvec, b, rtol, atol, max_steps):
     bound = atol + rtol * _norm(b)
 
@@ -180,6 +188,7 @@ _METHODS: dict[str, Callable] = {
     "bicgstab": _bicgstab,
     "cg": _cg,
     "dense": _dense,
+    "diagonal": _diagonal,
     "neumann": _neumann,
     "jfb": _jfb,
 }
@@ -239,9 +248,13 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     """Whether ``x`` solves ``matvec(x) = b`` to its tolerance (with 10x slack).
 
     ``"jfb"`` is an approximation by design and always passes; ``"dense"`` passes when
-    finite (a singular matrix gives non-finite values). Costs one ``matvec``.
-    Returns ``(ok, relative_residual)``.
+    finite (a singular matrix gives non-finite values); ``"diagonal"`` is checked
+    elementwise (``ok`` is then a pytree of bool arrays shaped like ``x``). Costs one
+    ``matvec``. Returns ``(ok, relative_residual)``.
     """
+    if linear_solver == "diagonal":
+        ok = jax.tree.map(jnp.isfinite, x)
+        return ok, jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 0.0, jnp.inf), x)
     b_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(b)).real)
     r = jax.tree.map(jnp.subtract, matvec(x), b)
     r_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(r)).real)

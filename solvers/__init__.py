@@ -3,22 +3,30 @@
 Every solver takes the unknown first and the parameters after (``f(x, *args)``), works
 under ``jit``, ``vmap``, ``grad`` and ``grad(grad)``, and takes the common options
 ``rtol``, ``atol``, ``max_steps``, ``rule``, ``linear_solver``, ``on_failure`` and
-``full_output``.
+``full_output``. Why a solve stopped is one vocabulary for every solver
+(:data:`STATUSES`, ``info.status`` and :func:`status_name`); a failed solve raises
+:class:`ConvergenceError` (a failed adjoint solve :class:`AdjointSolveError`) unless
+``on_failure`` says otherwise.
 """
 
-from solvers._loop import ConvergenceError, Info
+from implicit.ift import AdjointSolveError
+from solvers._runner import ConvergenceError, Info
+from solvers._status import STATUSES, status_name
 from solvers.bracket import bisection, chandrupatla
 from solvers.fixed_point import fixed_point
 from solvers.ode import odeint
 from solvers.root import newton, root
 
 __all__ = [
+    "AdjointSolveError",
     "ConvergenceError",
     "Info",
+    "STATUSES",
     "bisection",
     "chandrupatla",
     "fixed_point",
     "newton",
     "odeint",
     "root",
+    "status_name",
 ]

@@ -82,8 +82,10 @@ def status_name(status):
     """
     codes = np.asarray(status)
     names = np.asarray(STATUSES + ("running",), dtype=object)
-    out = names[np.where((codes >= 0) & (codes < len(STATUSES)), codes, len(STATUSES))]
-    return str(out) if out.ndim == 0 else out
+    index = np.where((codes >= 0) & (codes < len(STATUSES)), codes, len(STATUSES))
+    if index.ndim == 0:
+        return str(names[int(index)])
+    return names[index]
 
 
 def _precision_hint():

@@ -6,6 +6,8 @@ further in floating point (so every tolerance is reachable, float32 included). A
 bracket without a sign change is a runtime failure that follows ``on_failure`` (also
 under ``jit`` and ``vmap``; with ``"nan"`` only the bad elements are NaN). Derivatives
 come from the implicit function theorem with a diagonal Jacobian (one JVP of ones).
+A bracket that closes on a pole or a jump of ``F`` (``|F|`` at its ends grows instead of
+shrinking) is a failure too (status ``discontinuity``), never a root.
 """
 
 from __future__ import annotations
@@ -16,18 +18,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from implicit import _checks, custom_root
-from solvers import _loop
+from implicit import _checks
+from solvers import _runner, _status
 
 __all__ = ["bisection", "chandrupatla"]
 
 _CHUNK = 16_384  # elements per chunk on CPU (see `_chunked`)
 
-REASONS = (
-    "the bracket has no sign change: F(lower) and F(upper) have the same sign "
-    "(or one of them, or lower or upper, is not finite)",
-    "F returned NaN inside the bracket",
-)
 
 
 def bisection(
@@ -62,12 +59,15 @@ def bisection(
         in float32, 1e-8/1e-10 in float64).
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
-      linear_solver: adjoint linear solver; ``"auto"`` (default) is the exact diagonal
-        solve ``b / (∂F/∂x)`` (one JVP). Any :mod:`implicit.linear` method also works.
+      linear_solver: adjoint linear solver; ``"auto"`` (default) is ``"diagonal"``, the
+        exact solve ``b / (∂F/∂x)`` (one JVP), checked elementwise so that a failed
+        element leaves the others' gradients intact. Any :mod:`implicit.linear` method
+        also works.
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"`` (a bad bracket then returns its
         midpoint).
       full_output: also return an :class:`solvers.Info` whose ``converged``,
-        ``residual`` (``|F(x*)|``) and ``status`` (``REASONS[status - 1]``) are elementwise;
+        ``residual`` (``|F(x*)|``) and ``status`` (``converged``, ``no_sign_change``,
+        ``discontinuity``, ``nonfinite`` or ``max_steps``) are elementwise;
         ``num_steps`` counts the loop's steps (all elements advance together) and
         ``residual_history`` holds the widest unconverged bracket after each step.
 
@@ -172,18 +172,19 @@ def _bracketed(
         extra_linear_solvers=("auto",),
     )
     if linear_solver == "auto":
-        linear_solver = _diagonal_solve
+        linear_solver = "diagonal"
     _checks.check_args(args)
     lower = _checks.as_floating_array(lower, "lower")
     upper = _checks.as_floating_array(upper, "upper")
     dtype = jnp.result_type(lower, upper)
-    return _loop.dispatch(
+    return _runner.dispatch(
         _solve,
         lower.astype(dtype),
         upper.astype(dtype),
         args,
         *_checks.tolerances(rtol, atol, dtype),
         F=F,
+        fn=F,
         method=method,
         rule=rule,
         linear_solver=linear_solver,
@@ -192,16 +193,10 @@ def _bracketed(
         solver=f"solvers.{method}",
         full_output=full_output,
         max_steps=int(max_steps),
-        reasons=REASONS,
     )
 
 
-def _diagonal_solve(matvec, b):
-    """Exact solve for an elementwise ``F``: its Jacobian is the diagonal ``matvec(1)``."""
-    return b / matvec(jnp.ones_like(b))
-
-
-@_loop.jit_solver
+@_runner.jit_solver
 def _solve(
     lower,
     upper,
@@ -227,7 +222,7 @@ def _solve(
             f"`lower` and `upper` must broadcast together, got shapes {lower.shape} and "
             f"{upper.shape}"
         ) from None
-    out = jax.eval_shape(F, jnp.zeros(shape, lower.dtype), *args)
+    out = _checks.call_shape(F, "F", jnp.zeros(shape, lower.dtype), *args)
     try:
         shape = jnp.broadcast_shapes(shape, out.shape)
     except (AttributeError, ValueError):
@@ -238,52 +233,46 @@ def _solve(
     upper = jnp.broadcast_to(upper, shape)
     init, step, finish = _METHODS[method]
 
-    @custom_root(
-        F, linear_solver=linear_solver, has_aux=True, rule=rule, rtol=rtol, on_failure=on_failure
-    )
-    def solve(x0, *args):
+    def body(x0, args):
         def run(lower, upper, args):
             def fn(x):
                 return F(x, *args)
 
-            state, info = _loop.iterate(
-                step(fn, rtol, atol),
-                init(fn, lower, upper),
-                rtol=jnp.zeros((), lower.dtype),
-                atol=jnp.zeros((), lower.dtype),
+            zero = jnp.zeros((), lower.dtype)
+            method = _runner.Method(
+                init=lambda ends: init(fn, *ends),
+                step=step(fn, rtol, atol),
+                # Done when no element is still refining: the widest active bracket is 0.
+                terminate=lambda state: _runner.Progress(_error(state), zero),
+            )
+            state, info = _runner.iterate(
+                method,
+                (lower, upper),
+                rtol=zero,
+                atol=zero,
                 max_steps=max_steps,
                 record_history=record_history,
             )
             x, residual = finish(state)
-            return x, residual, state.flag, info.num_steps, info.residual_history
+            return x, residual, _final_status(state), info.num_steps, info.residual_history
 
         if _chunked(shape):
-            x, residual, flag, steps, history = _run_in_chunks(run, lower, upper, args)
+            x, residual, status, steps, history = _run_in_chunks(run, lower, upper, args)
         else:
-            x, residual, flag, steps, history = run(lower, upper, args)
-        info = _loop.Info(
-            converged=flag == _CONVERGED,
-            num_steps=jnp.broadcast_to(steps, flag.shape),
+            x, residual, status, steps, history = run(lower, upper, args)
+        info = _runner.Info(
+            converged=status == _status.CONVERGED,
+            num_steps=jnp.broadcast_to(steps, status.shape),
             residual=residual,
             residual_history=history,
-            status=jnp.maximum(flag.astype(jnp.int32) - 1, 0),
-        )
-        x = _loop.apply_failure_policy(
-            x,
-            info,
-            solver=solver,
-            on_failure=on_failure,
-            check=check,
-            max_steps=max_steps,
-            reasons=REASONS,
+            status=status,
         )
         return x, info
 
-    return solve(x0, *args)
-
-
-# Per-element state flags (int8): still refining, converged, or failed with a REASONS code.
-_ACTIVE, _CONVERGED, _BAD_BRACKET, _NAN_INSIDE = 0, 1, 2, 3
+    return _runner.solve(
+        F, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
+        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
+    )
 
 
 def _chunked(shape):
@@ -322,7 +311,9 @@ def _run_in_chunks(run, lower, upper, args):
         chunk_args = [next(it) if m else leaf for leaf, m in zip(leaves, per_element)]
         return run(lo, hi, jax.tree.unflatten(treedef, chunk_args))
 
-    x, residual, flag, steps, history = jax.lax.map(one_chunk, (split(lower), split(upper), mapped))
+    x, residual, status, steps, history = jax.lax.map(
+        one_chunk, (split(lower), split(upper), mapped)
+    )
 
     def unsplit(a):
         return a.reshape(-1)[:n].reshape(shape)
@@ -331,7 +322,7 @@ def _run_in_chunks(run, lower, upper, args):
     if history is not None:  # the widest unconverged bracket over all chunks, per step
         history = jnp.max(jnp.where(jnp.isnan(history), -jnp.inf, history), axis=0)
         history = jnp.where(history == -jnp.inf, jnp.nan, history)
-    return unsplit(x), unsplit(residual), unsplit(flag), unsplit(steps), history
+    return unsplit(x), unsplit(residual), unsplit(status), unsplit(steps), history
 
 
 def _broadcasts_to(leaf_shape, shape):
@@ -342,11 +333,13 @@ def _broadcasts_to(leaf_shape, shape):
 
 
 def _initial_flag(a, b, fa, fb):
-    """Elementwise flag of a new bracket ``[a, b]`` with ``F`` values ``fa``, ``fb``."""
+    """Elementwise status of a new bracket ``[a, b]`` with ``F`` values ``fa``, ``fb``."""
     finite = jnp.isfinite(a) & jnp.isfinite(b)
     sign_change = ((fa <= 0) & (fb >= 0)) | ((fa >= 0) & (fb <= 0))  # False for NaN
     return jnp.where(
-        finite & sign_change, jnp.where((fa == 0) | (fb == 0), _CONVERGED, _ACTIVE), _BAD_BRACKET
+        finite & sign_change,
+        jnp.where((fa == 0) | (fb == 0), _status.CONVERGED, _status.RUNNING),
+        _status.NO_SIGN_CHANGE,
     ).astype(jnp.int8)
 
 
@@ -357,13 +350,27 @@ def _cannot_shrink(a, b):
 
 
 def _next_flag(flag, active, f, converged):
-    new = jnp.where(jnp.isnan(f), _NAN_INSIDE, jnp.where(converged, _CONVERGED, _ACTIVE))
+    new = jnp.where(
+        jnp.isnan(f), _status.NONFINITE, jnp.where(converged, _status.CONVERGED, _status.RUNNING)
+    )
     return jnp.where(active, new, flag).astype(jnp.int8)
 
 
-def _error(width, flag):
+def _error(state):
     """The widest bracket still being refined (0 once every element is done)."""
-    return jnp.max(jnp.where(flag == _ACTIVE, width, 0.0), initial=0.0)
+    active = state.flag == _status.RUNNING
+    return jnp.max(jnp.where(active, state.width, 0.0), initial=0.0)
+
+
+def _final_status(state):
+    """Elementwise status: still refining is ``max_steps``; a converged bracket whose ends'
+    ``|F|`` grew beyond the starting bracket's closed on a pole or a jump, not a root."""
+    status = state.flag.astype(jnp.int32)
+    status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
+    f_ends = jnp.maximum(jnp.abs(state.f_lo), jnp.abs(state.f_hi))
+    exact = (state.f_lo == 0) | (state.f_hi == 0)  # an end on an exact root
+    pole = (status == _status.CONVERGED) & ~exact & (f_ends > state.f_start)
+    return jnp.where(pole, _status.DISCONTINUITY, status)
 
 
 # Each step decides from the trial point the previous step evaluated and stored, then
@@ -378,9 +385,13 @@ def _error(width, flag):
 class _Bisection(NamedTuple):
     a: Any  # F(a) <= 0 <= F(b) (the ends are swapped at the start if need be)
     b: Any
+    f_lo: Any  # F(a)
+    f_hi: Any  # F(b)
+    width: Any  # |b - a|
+    f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the midpoint, evaluated
     fx: Any
-    flag: Any
+    flag: Any  # RUNNING, or the element's final status
 
 
 def _midpoint(fn, a, b):
@@ -393,23 +404,27 @@ def _bisection_init(fn, lower, upper):
     flag = _initial_flag(lower, upper, fa, fb)
     swap = fa > 0
     a, b = jnp.where(swap, upper, lower), jnp.where(swap, lower, upper)
+    f_lo, f_hi = jnp.where(swap, fb, fa), jnp.where(swap, fa, fb)
     # A zero at an end is the answer: collapse the bracket onto it.
     root = jnp.where(fa == 0, lower, upper)
-    converged = flag == _CONVERGED
+    converged = flag == _status.CONVERGED
     a, b = jnp.where(converged, root, a), jnp.where(converged, root, b)
-    return _Bisection(a, b, *_midpoint(fn, a, b), flag)
+    f_lo, f_hi = (jnp.where(converged, 0.0, v).astype(fa.dtype) for v in (f_lo, f_hi))
+    f_start = jnp.maximum(jnp.abs(fa), jnp.abs(fb))
+    return _Bisection(a, b, f_lo, f_hi, jnp.abs(b - a), f_start, *_midpoint(fn, a, b), flag)
 
 
 def _bisection_step(fn, rtol, atol):
     def step(state):
-        a, b, x, fx, flag = state
-        active = flag == _ACTIVE
-        a = jnp.where(active & (fx <= 0), x, a)  # F(x) = 0: both ends move to x
-        b = jnp.where(active & (fx >= 0), x, b)
+        a, b, f_lo, f_hi, _, f_start, x, fx, flag = state
+        active = flag == _status.RUNNING
+        lo, hi = active & (fx <= 0), active & (fx >= 0)  # F(x) = 0: both ends move to x
+        a, f_lo = jnp.where(lo, x, a), jnp.where(lo, fx, f_lo)
+        b, f_hi = jnp.where(hi, x, b), jnp.where(hi, fx, f_hi)
         width = jnp.abs(b - a)
         converged = (width <= atol + rtol * jnp.abs(x)) | _cannot_shrink(a, b)
         flag = _next_flag(flag, active, fx, converged)
-        return _Bisection(a, b, *_midpoint(fn, a, b), flag), _error(width, flag), 0.0
+        return _Bisection(a, b, f_lo, f_hi, width, f_start, *_midpoint(fn, a, b), flag)
 
     return step
 
@@ -423,11 +438,13 @@ def _bisection_finish(state):
 
 class _Chandrupatla(NamedTuple):
     x1: Any  # the newest point; [x1, x2] brackets the root
-    f1: Any
+    f_lo: Any  # F(x1)
     x2: Any
-    f2: Any
+    f_hi: Any  # F(x2)
     x3: Any  # the previous point (for the interpolation)
     f3: Any
+    width: Any  # |x2 - x1|
+    f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the next point, evaluated
     fx: Any
     flag: Any
@@ -436,13 +453,17 @@ class _Chandrupatla(NamedTuple):
 def _chandrupatla_init(fn, lower, upper):
     f1, f2 = fn(lower), fn(upper)
     flag = _initial_flag(lower, upper, f1, f2)
-    return _Chandrupatla(lower, f1, upper, f2, upper, f2, *_midpoint(fn, lower, upper), flag)
+    f_start = jnp.maximum(jnp.abs(f1), jnp.abs(f2))
+    return _Chandrupatla(
+        lower, f1, upper, f2, upper, f2, jnp.abs(upper - lower), f_start,
+        *_midpoint(fn, lower, upper), flag,
+    )
 
 
 def _chandrupatla_step(fn, rtol, atol):
     def step(state):
-        x1, f1, x2, f2, x3, f3, x, f, flag = state
-        active = flag == _ACTIVE
+        x1, f1, x2, f2, x3, f3, _, f_start, x, f, flag = state
+        active = flag == _status.RUNNING
         # Keep the bracket: the new point replaces the end of its own sign.
         same = (f < 0) == (f1 < 0)
         x1, f1, x2, f2, x3, f3 = (
@@ -475,18 +496,18 @@ def _chandrupatla_step(fn, rtol, atol):
         t = jnp.where(safe & jnp.isfinite(iqi), iqi, 0.5)
         limit = jnp.minimum(0.5 * tol / jnp.where(width > 0, width, 1.0), 0.5)
         x = x1 + jnp.clip(t, limit, 1 - limit) * (x2 - x1)
-        state = _Chandrupatla(x1, f1, x2, f2, x3, f3, x, fn(x), flag)
-        return state, _error(width, flag), 0.0
+        return _Chandrupatla(x1, f1, x2, f2, x3, f3, width, f_start, x, fn(x), flag)
 
     return step
 
 
 def _chandrupatla_finish(state):
-    smaller = jnp.abs(state.f1) < jnp.abs(state.f2)
+    smaller = jnp.abs(state.f_lo) < jnp.abs(state.f_hi)
     x = jnp.where(smaller, state.x1, state.x2)
     # A bad bracket hands back its midpoint (with on_failure="ignore"), not one of its ends.
-    x = jnp.where(state.flag == _BAD_BRACKET, state.x1 + 0.5 * (state.x2 - state.x1), x)
-    return x, jnp.where(smaller, jnp.abs(state.f1), jnp.abs(state.f2))
+    bad = state.flag == _status.NO_SIGN_CHANGE
+    x = jnp.where(bad, state.x1 + 0.5 * (state.x2 - state.x1), x)
+    return x, jnp.where(smaller, jnp.abs(state.f_lo), jnp.abs(state.f_hi))
 
 
 _METHODS = {

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, custom_fixed_point
-from solvers import _loop
+from implicit import _checks
+from solvers import _runner
 
 __all__ = ["fixed_point"]
 
@@ -96,14 +94,9 @@ def fixed_point(
     _checks.check_args(args)
     x0 = _checks.as_floating(x0, "x0")
     if linear_solver == "auto":
-        plain = method == "iterate" and _checks._is_concrete(damping) and float(damping) == 1
-        size = sum(jnp.size(leaf) for leaf in jax.tree.leaves(x0))
-        if plain and rule == "vjp":
-            linear_solver = "neumann"
-        else:
-            linear_solver = "dense" if size <= DENSE_MAX_SIZE else "gmres"
+        linear_solver = _auto_linear_solver(method, damping, rule, on_failure, x0)
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    return _loop.dispatch(
+    return _runner.dispatch(
         _solve,
         x0,
         args,
@@ -111,6 +104,7 @@ def fixed_point(
         _checks.as_scalar(damping, dtype),
         _checks.as_scalar(regularization, dtype),
         f=f,
+        fn=f,
         method=method,
         history_size=int(history_size),
         rule=rule,
@@ -123,7 +117,22 @@ def fixed_point(
     )
 
 
-@_loop.jit_solver
+def _auto_linear_solver(method, damping, rule, on_failure, x0):
+    """``linear_solver="auto"``: Neumann for a converged plain iteration, else dense/GMRES.
+
+    The Neumann series converges exactly when the forward plain iteration did (the same
+    spectral radius), so it needs a converged forward solve: with ``on_failure="ignore"``
+    the returned point may be a truncated or oscillating iterate, where only a direct or
+    Krylov solve gives the implicit-function-theorem gradient.
+    """
+    plain = method == "iterate" and _checks._is_concrete(damping) and float(damping) == 1
+    if plain and rule == "vjp" and on_failure != "ignore":
+        return "neumann"
+    size = sum(jnp.size(leaf) for leaf in jax.tree.leaves(x0))
+    return "dense" if size <= DENSE_MAX_SIZE else "gmres"
+
+
+@_runner.jit_solver
 def _solve(
     x0,
     args,
@@ -143,75 +152,76 @@ def _solve(
     check,
     max_steps,
 ):
-    _checks.check_like(jax.eval_shape(f, x0, *args), x0, "f(x0, *args)", "x0")
-    make_step, init = (_iterate_step, _iterate_init) if method == "iterate" else (
-        _anderson_step,
-        functools.partial(_anderson_init, history_size=history_size),
-    )
+    _checks.check_like(_checks.call_shape(f, "f", x0, *args), x0, "f(x0, *args)", "x0")
+    make = _iterate_method if method == "iterate" else _anderson_method
 
-    # The adjoint error adds to the forward one; a tenth of the forward tolerance keeps the
-    # gradient about as accurate as the solution for ~20% more backward steps.
-    @custom_fixed_point(
-        f,
-        linear_solver=linear_solver,
-        has_aux=True,
-        rule=rule,
-        rtol=0.1 * rtol,
-        max_steps=max_steps,
-        on_failure=on_failure,
-    )
-    def solve(x0, *args):
-        step = make_step(lambda x: f(x, *args), damping, regularization)
-        state, info = _loop.iterate(
-            step,
-            init(x0),
+    def body(x0, args):
+        fn = lambda x: f(x, *args)  # noqa: E731
+        method, solution = make(fn, damping, regularization, history_size)
+        state, info = _runner.iterate(
+            method,
+            x0,
             rtol=rtol,
             atol=atol,
             max_steps=max_steps,
             record_history=record_history,
         )
-        x = state[0]  # every method's state starts with the iterate
-        x = _loop.apply_failure_policy(
-            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps
-        )
-        return x, info
+        # The solution is one more (free) step from the last tested iterate x: f(x) is
+        # already known, and the step lands closer to the fixed point than x.
+        return solution(state), info
 
-    return solve(x0, *args)
+    def residual(x, *args):
+        return jax.tree.map(jnp.subtract, f(x, *args), x)
+
+    return _runner.solve(
+        residual, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
+        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
+    )
 
 
 def _sub(a, b):
     return jax.tree.map(jnp.subtract, a, b)
 
 
-def _iterate_init(x0):
-    return (x0,)
+def _progress(x, fx):
+    return _runner.Progress(_runner.max_norm(_sub(fx, x)), _runner.max_norm(fx))
 
 
-def _iterate_step(fn, damping, regularization):
-    del regularization
+def _iterate_method(fn, damping, regularization, history_size):
+    """Plain (damped) iteration ``x <- x + damping (f(x) - x)``; state ``(x, f(x))``."""
+    del regularization, history_size
+
+    def next_iterate(state):
+        x, fx = state
+        return jax.tree.map(lambda xi, fi: xi + damping * (fi - xi), x, fx)
 
     def step(state):
-        (x,) = state
-        fx = fn(x)
-        g = _sub(fx, x)
-        x_new = jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
-        return (x_new,), _loop.max_norm(g), _loop.max_norm(fx)
+        x = next_iterate(state)
+        return x, fn(x)
 
-    return step
-
-
-def _anderson_init(x0, *, history_size):
-    flat, _ = ravel_pytree(x0)
-    zeros = jnp.zeros((history_size, flat.size), flat.dtype)
-    return (x0, zeros, zeros, jnp.int32(0))
+    method = _runner.Method(
+        init=lambda x0: (x0, fn(x0)), step=step, terminate=lambda s: _progress(*s)
+    )
+    return method, next_iterate
 
 
-def _anderson_step(fn, damping, regularization):
-    def step(state):
-        x, xs, gs, k = state
+def _anderson_method(fn, damping, regularization, history_size):
+    """Anderson acceleration (type II) over the last ``history_size`` iterates.
+
+    State ``(x, f(x), xs, gs, k)``: the iterate, its image, the ring buffers of past
+    iterates and residuals ``g = f(x) - x``, and the number of steps taken.
+    """
+
+    def init(x0):
+        flat = ravel_pytree(x0)[0]
+        zeros = jnp.zeros((history_size, flat.size), flat.dtype)
+        return (x0, fn(x0), zeros, zeros, jnp.int32(0))
+
+    def mix(state):
+        """The next iterate from the history and ``(x, f(x))``, and the new history."""
+        x, fx, xs, gs, k = state
         x_flat, unravel = ravel_pytree(x)
-        fx_flat = ravel_pytree(fn(x))[0]
-        g = fx_flat - x_flat
+        g = ravel_pytree(fx)[0] - x_flat
         m = xs.shape[0]
         slot = k % m
         xs = xs.at[slot].set(x_flat)
@@ -228,6 +238,11 @@ def _anderson_step(fn, damping, regularization):
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.
         x_new = jnp.where(jnp.all(jnp.isfinite(x_new)), x_new, x_flat + damping * g)
-        return (unravel(x_new), xs, gs, k + 1), jnp.max(jnp.abs(g)), jnp.max(jnp.abs(fx_flat))
+        return unravel(x_new), xs, gs
 
-    return step
+    def step(state):
+        x_new, xs, gs = mix(state)
+        return (x_new, fn(x_new), xs, gs, state[4] + 1)
+
+    method = _runner.Method(init=init, step=step, terminate=lambda s: _progress(s[0], s[1]))
+    return method, lambda state: mix(state)[0]

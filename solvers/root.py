@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, custom_root, linear
-from solvers import _loop
+from implicit import _checks, linear
+from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
 
@@ -34,16 +34,6 @@ JACOBIANS = ("auto", "dense", "matfree")
 #: ``jacobian="auto"`` materialises the Jacobian up to this many unknowns (an LU solve of
 #: this size costs about as much as a few dozen matrix-free GMRES iterations).
 DENSE_MAX_SIZE = 500
-
-_SINGULAR, _NO_DECREASE, _NONFINITE = 1, 2, 3
-REASONS = (
-    "the Jacobian is singular (the Newton step is not finite)",
-    "the line search found no decrease of |F| along the Newton direction (a singular or "
-    "ill-conditioned Jacobian, a local minimum of |F|, or rtol/atol below what the "
-    "floating-point precision allows)",
-    "F returned non-finite values (at the initial guess, or after a full step with "
-    "line_search=False)",
-)
 
 _ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
 _MAX_BACKTRACKS = 20
@@ -73,7 +63,9 @@ def root(
     approximation) and moves to ``x + t d``, where ``t`` halves (with quadratic
     interpolation) until ``|F|`` decreases enough. The solve stops when the estimated
     error of ``x + d`` is small: ``max|d| <= atol + rtol * max|x|``, where ``|d|`` is
-    scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``.
+    scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``;
+    chord and Broyden confirm it with a fresh Jacobian (a step from a stale approximation
+    can be small by chance). A guess with ``F(x0) == 0`` is returned after zero steps.
     Gradients with respect to ``args`` and to traced values ``F`` closes over are
     ``-(∂F/∂x)⁻¹ ∂F/∂θ`` (one adjoint linear solve with ``linear_solver``); the
     iterations are never differentiated.
@@ -99,7 +91,9 @@ def root(
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
         ``residual`` (``max|F(x*)|``), ``residual_history`` (each step's error estimate,
-        ``max|d|`` scaled as above) and ``status`` (why it failed: ``REASONS[status - 1]``).
+        ``max|d|`` scaled as above) and ``status`` (why it stopped: ``converged``,
+        ``max_steps``, ``nonfinite``, ``stagnated``, ``singular`` or ``no_decrease``; see
+        :data:`solvers.STATUSES`).
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -133,12 +127,13 @@ def root(
     if linear_solver == "auto":
         linear_solver = "dense" if jacobian == "dense" else "gmres"
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    return _loop.dispatch(
+    return _runner.dispatch(
         _solve,
         x0,
         args,
         *_checks.tolerances(rtol, atol, dtype),
         F=F,
+        fn=F,
         method=method,
         jacobian=jacobian,
         line_search=line_search,
@@ -150,7 +145,6 @@ def root(
         solver=f"solvers.root(method={method!r})",
         full_output=full_output,
         max_steps=int(max_steps),
-        reasons=REASONS,
     )
 
 
@@ -169,7 +163,7 @@ def newton(F, x0, *args, **options):
     return root(F, x0, *args, method="newton", **options)
 
 
-@_loop.jit_solver
+@_runner.jit_solver
 def _solve(
     x0,
     args,
@@ -189,56 +183,41 @@ def _solve(
     check,
     max_steps,
 ):
-    _checks.check_like(jax.eval_shape(F, x0, *args), x0, "F(x0, *args)", "x0")
+    _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
 
-    # The adjoint solve stops on a 2-norm residual relative to the whole right-hand side,
-    # a weaker test per entry than the forward max-norm one: ask for ten times less.
-    @custom_root(
-        F,
-        linear_solver=linear_solver,
-        has_aux=True,
-        rule=rule,
-        rtol=0.1 * rtol,
-        on_failure=on_failure,
-    )
-    def solve(x0, *args):
+    def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
 
         def fn(v):
             return ravel_pytree(F(unravel(v), *args))[0]
 
-        step = _make_step(fn, method, jacobian, line_search, history_size, rtol, atol)
-        state0 = _init(x0_flat, method, jacobian, history_size)
-        state, info = _loop.iterate(
-            step, state0, rtol=rtol, atol=atol, max_steps=max_steps, record_history=record_history
-        )
-        info = info._replace(residual=jnp.max(jnp.abs(state.fx)), status=state.status)
-        x = _loop.apply_failure_policy(
-            unravel(state.x),
-            info,
-            solver=solver,
-            on_failure=on_failure,
-            check=check,
+        ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps))
+        state, info = _runner.iterate(
+            _method(fn, ops, *_METHODS[method](ops, history_size), line_search, rtol, atol),
+            x0_flat,
+            rtol=rtol,
+            atol=atol,
             max_steps=max_steps,
-            reasons=REASONS,
+            record_history=record_history,
         )
-        return x, info
+        return unravel(state.x), info._replace(residual=jnp.max(jnp.abs(state.fx)))
 
-    return solve(x0, *args)
+    return _runner.solve(
+        F, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
+        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
+    )
 
 
 class _State(NamedTuple):
     x: Any  # the iterate (flat)
     fx: Any  # F(x)
-    status: Any  # 0, or a REASONS code once the solve has failed
+    status: Any  # RUNNING, or a failure status
+    error: Any  # estimated error of x (the last step's length, scaled)
+    scale: Any  # max|x|
+    fresh: Any  # whether that step came from a Jacobian evaluated at its start
     full_step: Any  # max|d| of the previous step if it was a full one (t = 1), else 0
-    eta: Any = None  # matrix-free Newton: (previous forcing term, previous |F|)
-    d: Any = None  # chord/Broyden: the direction -H F(x)
-    jac: Any = None  # chord/Broyden: LU factors (dense) or the Jacobian's point (matfree)
-    s: Any = None  # Broyden: steps (history_size, n)
-    u: Any = None  # Broyden: update vectors, H_{k+1} = (I + u_k s_kᵀ) H_k
-    k: Any = None  # Broyden: number of stored updates
-    refresh: Any = None  # chord/Broyden: recompute the Jacobian at the next step
+    eta: Any  # matrix-free Newton: (previous forcing term, previous |F|); else None
+    quasi: Any  # chord/Broyden: their own state (see _chord, _broyden); Newton: None
 
 
 def _norm(v):
@@ -260,100 +239,163 @@ def _lu_solve(factors, b):
     return jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)[:, 0]
 
 
-def _init(x0, method, jacobian, history_size):
-    # F(x0) is evaluated by the first step, with the Jacobian (one trace of F fewer).
-    dtype = x0.dtype
-    zero = jnp.zeros((), dtype)
-    state = _State(x0, jnp.zeros_like(x0), jnp.int32(0), zero)
-    if jacobian == "matfree":
-        state = state._replace(eta=(jnp.asarray(_ETA_MAX, dtype), zero))
-    if method == "newton":
-        return state
-    n = x0.size
-    if jacobian == "dense":
-        jac = (jnp.zeros((n, n), dtype), jnp.zeros((n,), jnp.int32))
-    else:
-        jac = x0
-    m = history_size if method == "broyden" else 0
-    zeros = jnp.zeros((m, n), dtype)
-    return state._replace(
-        d=jnp.zeros_like(x0), jac=jac, s=zeros, u=zeros, k=jnp.int32(0), refresh=jnp.bool_(True)
-    )
-
-
 def _gmres(matvec, b, tol):
     # The engine's GMRES (restarted, early exit inside a cycle); an inexact direction is
     # fine: the line search and the next Newton step absorb the error.
     return linear.solve("gmres", matvec, b, rtol=tol, atol=0.0, max_steps=_GMRES_MAX_STEPS)
 
 
-def _make_step(fn, method, jacobian, line_search, history_size, rtol, atol):
-    dtype = rtol.dtype
-    eps = jnp.finfo(dtype).eps
-    big = jnp.finfo(dtype).max
-    eta_min = jnp.maximum(rtol, 8 * eps)
+class _Linear(NamedTuple):
+    """The Jacobian of ``fn`` as the methods use it: dense (LU) or matrix-free (GMRES)."""
 
-    def value_and_jacobian(x):
-        """``F(x)`` and the Jacobian (matrix) at ``x``, from one forward-mode pass."""
-        jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(fn(v)), has_aux=True)(x)
-        return fx, jac
+    fn: Any
+    jacobian: str  # "dense" or "matfree"
+    eta_min: Any  # tightest GMRES forcing term
 
-    def value_and_factor(x):
-        """``F(x)`` and the Jacobian at ``x`` in the form ``apply_h0`` uses."""
-        if jacobian == "dense":
-            fx, jac = value_and_jacobian(x)
-            return fx, _lu_factor(jac)
-        return fn(x), x
+    def factor(self, x):
+        """``J(x)`` in the form :meth:`apply_inverse` takes (LU factors, or the point)."""
+        if self.jacobian == "dense":
+            return _lu_factor(jax.jacfwd(self.fn)(x))
+        return x
 
-    def apply_h0(jac, v):
-        """``J⁻¹ v`` for the Jacobian ``value_and_factor`` returned."""
-        if jacobian == "dense":
-            return _lu_solve(jac, v)
-        return _gmres(jax.linearize(fn, jac)[1], v, eta_min)
+    def apply_inverse(self, factors, v):
+        """``J⁻¹ v`` for the Jacobian :meth:`factor` returned."""
+        if self.jacobian == "dense":
+            return _lu_solve(factors, v)
+        return _gmres(jax.linearize(self.fn, factors)[1], v, self.eta_min)
 
-    def newton_direction(x, eta):
-        """``(F(x), d, eta)`` with ``J d = -F(x)``."""
-        if jacobian == "dense":
-            fx, jac = value_and_jacobian(x)
-            return fx, -_lu_solve(_lu_factor(jac), fx), eta
-        fx, matvec = jax.linearize(fn, x)
+    def placeholder(self, x):
+        if self.jacobian == "dense":
+            n = x.size
+            return jnp.zeros((n, n), x.dtype), jnp.zeros((n,), jnp.int32)
+        return x
+
+
+def _newton(ops, history_size):
+    """Newton: a fresh Jacobian at every step (matrix-free: Eisenstat–Walker forcing)."""
+    del history_size
+
+    def direction(state):
+        x, fx = state.x, state.fx
+        if ops.jacobian == "dense":
+            return -_lu_solve(ops.factor(x), fx), jnp.bool_(True), state.eta, None
+        _, matvec = jax.linearize(ops.fn, x)
         # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
-        eta_prev, fnorm_prev = eta
+        eta_prev, fnorm_prev = state.eta
         fnorm = _norm(fx)
         new = 0.9 * (fnorm / jnp.where(fnorm_prev > 0, fnorm_prev, 1.0)) ** 2
         safeguard = 0.9 * eta_prev**2
         new = jnp.where(safeguard > 0.1, jnp.maximum(new, safeguard), new)
-        new = jnp.where(fnorm_prev > 0, jnp.clip(new, eta_min, _ETA_MAX), _ETA_MAX)
-        return fx, -_gmres(matvec, fx, new), (new, fnorm)
+        new = jnp.where(fnorm_prev > 0, jnp.clip(new, ops.eta_min, _ETA_MAX), _ETA_MAX)
+        return -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
 
-    def apply_h(jac, s, u, k, v):
-        """``H_k v`` with ``H_k = (I + u_{k-1} s_{k-1}ᵀ) ... (I + u_0 s_0ᵀ) J⁻¹``."""
-        w = apply_h0(jac, v)
-        if s.shape[0] == 0:  # chord
-            return w
-        body = lambda i, w: jnp.where(i < k, w + u[i] * jnp.dot(s[i], w), w)  # noqa: E731
-        return jax.lax.fori_loop(0, s.shape[0], body, w)
+    def update(state, quasi, x, fx, d, moved, small):
+        return None
+
+    return direction, update, lambda x0: None
+
+
+class _Quasi(NamedTuple):
+    d: Any  # the direction -H F(x) for the current iterate
+    factors: Any  # the Jacobian at an earlier iterate (see _Linear.factor)
+    s: Any  # Broyden: steps (history_size, n); chord: (0, n)
+    u: Any  # Broyden: update vectors, H_{k+1} = (I + u_k s_kᵀ) H_k
+    k: Any  # Broyden: number of stored updates
+    refresh: Any  # recompute the Jacobian at the next step
+
+
+def _quasi_direction(ops):
+    """Reuse the kept direction, or refresh the Jacobian and compute a Newton direction."""
+
+    def direction(state):
+        q = state.quasi
+
+        def refreshed(_):
+            factors = ops.factor(state.x)
+            d = -ops.apply_inverse(factors, state.fx)
+            return d, factors, jnp.zeros_like(q.s), jnp.zeros_like(q.u), jnp.int32(0)
+
+        def kept(_):
+            return q.d, q.factors, q.s, q.u, q.k
+
+        d, factors, s, u, k = jax.lax.cond(q.refresh, refreshed, kept, None)
+        return d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
+
+    return direction
+
+
+def _apply_h(ops, q, v):
+    """``H_k v`` with ``H_k = (I + u_{k-1} s_{k-1}ᵀ) ... (I + u_0 s_0ᵀ) J⁻¹``."""
+    w = ops.apply_inverse(q.factors, v)
+    if q.s.shape[0] == 0:  # chord
+        return w
+    body = lambda i, w: jnp.where(i < q.k, w + q.u[i] * jnp.dot(q.s[i], w), w)  # noqa: E731
+    return jax.lax.fori_loop(0, q.s.shape[0], body, w)
+
+
+def _chord(ops, history_size):
+    """Chord: the Jacobian of an earlier iterate, kept while |F| at least halves."""
+    del history_size
+
+    def update(state, q, x, fx, d, moved, small):
+        d_next = -_apply_h(ops, q, fx)
+        # Kelley's rule: a chord step that reduces |F| less than twofold is too slow, so
+        # the Jacobian is recomputed (still one factorisation per few steps).
+        refresh = ~moved | (_norm(fx) > 0.5 * _norm(state.fx)) | small
+        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        return q._replace(d=d_next, refresh=refresh)
+
+    return _quasi_direction(ops), update, _initial_quasi(ops, 0)
+
+
+def _broyden(ops, history_size):
+    """Good Broyden: rank-one updates of the initial Jacobian's inverse (product form)."""
+    eps = jnp.finfo(ops.eta_min.dtype).eps
+
+    def update(state, q, x, fx, d, moved, small):
+        z = _apply_h(ops, q, fx)  # H_k F(x_next)
+        step = x - state.x
+        hy = z + d  # H_k (F(x_next) - F(x)), as H_k F(x) = -d
+        denom = jnp.dot(step, hy)
+        good = jnp.abs(denom) > eps * _norm(step) * _norm(hy)
+        u_k = (step - hy) / jnp.where(good, denom, 1.0)
+        d_next = -(z + u_k * jnp.dot(step, z))
+        keep = moved & good
+        slot = jnp.minimum(q.k, q.s.shape[0] - 1)
+        s = jnp.where(keep, q.s.at[slot].set(step), q.s)
+        u = jnp.where(keep, q.u.at[slot].set(u_k), q.u)
+        k = jnp.where(keep, q.k + 1, q.k)
+        refresh = ~moved | ~good | (k >= q.s.shape[0]) | small
+        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        return q._replace(d=d_next, s=s, u=u, k=k, refresh=refresh)
+
+    return _quasi_direction(ops), update, _initial_quasi(ops, history_size)
+
+
+_METHODS = {"newton": _newton, "chord": _chord, "broyden": _broyden}
+
+
+def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
+    """The runner's :class:`~solvers._runner.Method` for a direction and its update."""
+    dtype = rtol.dtype
+    big = jnp.finfo(dtype).max
+
+    def init(x0):
+        fx = fn(x0)
+        root = jnp.all(fx == 0)  # an exact root is accepted before any step
+        eta = (jnp.asarray(_ETA_MAX, dtype), jnp.zeros((), dtype))
+        state = _State(
+            x0, fx, jnp.int32(_status.RUNNING), jnp.where(root, 0.0, big).astype(dtype),
+            jnp.max(jnp.abs(x0)), root, jnp.zeros((), dtype),
+            eta if ops.jacobian == "matfree" else None, init_quasi(x0),
+        )
+        return state
 
     def step(state):
-        x = state.x
-        eta = state.eta
-        if method == "newton":
-            fx, d, eta = newton_direction(x, eta)
-            fresh = jnp.bool_(True)
-            jac, s, u, k = None, None, None, None
-        else:
-
-            def refreshed(_):
-                fx, jac = value_and_factor(x)
-                d = -apply_h0(jac, fx)
-                return fx, jac, d, jnp.zeros_like(state.s), jnp.zeros_like(state.u), jnp.int32(0)
-
-            def kept(_):
-                return state.fx, state.jac, state.d, state.s, state.u, state.k
-
-            fx, jac, d, s, u, k = jax.lax.cond(state.refresh, refreshed, kept, None)
-            fresh = state.refresh
-
+        x, fx = state.x, state.fx
+        d, fresh, eta, quasi = direction(state)
+        # At an exact root the step is zero, whatever the Jacobian there.
+        d = jnp.where(jnp.all(fx == 0), 0.0, d)
         f_ok = jnp.isfinite(jnp.max(jnp.abs(fx)))  # max propagates NaN
         step_size = jnp.max(jnp.abs(d))
         d_ok = jnp.isfinite(step_size)
@@ -372,47 +414,47 @@ def _make_step(fn, method, jacobian, line_search, history_size, rtol, atol):
             f_new = fn(x_new)
             t, ok = 1.0, jnp.isfinite(jnp.max(jnp.abs(f_new)))
         moved = f_ok & d_ok & (ok | small)
-        no_decrease = _NO_DECREASE if line_search else _NONFINITE
+        no_decrease = _status.NO_DECREASE if line_search else _status.NONFINITE
         status = jnp.where(
             ~f_ok,
-            _NONFINITE,
-            jnp.where(fresh & ~d_ok, _SINGULAR, jnp.where(fresh & ~moved, no_decrease, 0)),
+            _status.NONFINITE,
+            jnp.where(fresh & ~d_ok, _status.SINGULAR,
+                      jnp.where(fresh & ~moved, no_decrease, _status.RUNNING)),
         ).astype(jnp.int32)
         x_next = jnp.where(moved, x_new, x)
         f_next = jnp.where(moved, f_new, fx)
         full_step = jnp.where(moved & (t == 1), step_size, 0.0).astype(dtype)
-        # A failure with a fresh Jacobian ends the solve (infinite error); one with a
-        # stale Jacobian (chord, Broyden) only asks for a fresh one at the next step.
-        error = jnp.where(status > 0, jnp.inf, jnp.where(d_ok, error, big))
-        new_state = state._replace(x=x_next, fx=f_next, status=status, full_step=full_step, eta=eta)
+        # A failure with a stale Jacobian (chord, Broyden) only asks for a fresh one at
+        # the next step: its error is unknown (large), not a failure.
+        error = jnp.where(d_ok, error, big).astype(dtype)
+        if quasi is not None:
+            quasi = update(state, quasi, x_next, f_next, d, moved, small & ~fresh)
+        return state._replace(
+            x=x_next, fx=f_next, status=status, error=error,
+            scale=jnp.where(d_ok, scale, 0.0).astype(dtype), fresh=fresh,
+            full_step=full_step, eta=eta, quasi=quasi,
+        )
 
-        if method != "newton":
-            z = apply_h(jac, s, u, k, f_next)  # H_k F(x_next)
-            refresh = ~moved
-            if method == "broyden":
-                step_ = x_next - x
-                hy = z + d  # H_k (F(x_next) - F(x)), as H_k F(x) = -d
-                denom = jnp.dot(step_, hy)
-                good = jnp.abs(denom) > eps * _norm(step_) * _norm(hy)
-                u_k = (step_ - hy) / jnp.where(good, denom, 1.0)
-                d_next = -(z + u_k * jnp.dot(step_, z))
-                keep = moved & good
-                slot = jnp.minimum(k, s.shape[0] - 1)
-                s = jnp.where(keep, s.at[slot].set(step_), s)
-                u = jnp.where(keep, u.at[slot].set(u_k), u)
-                k = jnp.where(keep, k + 1, k)
-                refresh = refresh | ~good | (k >= s.shape[0])
-            else:
-                d_next = -z
-                # Kelley's rule: a chord step that reduces |F| less than twofold is too
-                # slow, so the Jacobian is recomputed (still one factorisation per few steps).
-                refresh = refresh | (_norm(f_next) > 0.5 * _norm(fx))
-            refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
-            new_state = new_state._replace(d=d_next, jac=jac, s=s, u=u, k=k, refresh=refresh)
+    def terminate(state):
+        return _runner.Progress(
+            state.error, state.scale, state.status, confirmed=state.fresh,
+            merit=jnp.max(jnp.abs(state.fx)),
+        )
 
-        return new_state, error, jnp.where(d_ok, scale, 0.0)  # inf <= inf would pass
+    return _runner.Method(init, step, terminate)
 
-    return step
+
+def _initial_quasi(ops, history_size):
+    """Chord/Broyden state before the first step (which refreshes the Jacobian)."""
+
+    def init(x0):
+        zeros = jnp.zeros((history_size, x0.size), x0.dtype)
+        return _Quasi(
+            d=jnp.zeros_like(x0), factors=ops.placeholder(x0), s=zeros, u=zeros,
+            k=jnp.int32(0), refresh=jnp.bool_(True),
+        )
+
+    return init
 
 
 def _line_search(fn, x, fx, d, skip):

@@ -175,8 +175,7 @@ def test_bad_bracket_nan_and_ignore(method):
     assert np.isnan(x[0]) and np.isnan(x[1])
     np.testing.assert_allclose(x[2], 3.0, rtol=1e-5)
     np.testing.assert_array_equal(info.converged, [False, False, True])
-    np.testing.assert_array_equal(info.status, [1, 1, 0])
-    assert bracket_module.REASONS[0].startswith("the bracket has no sign change")
+    assert list(info.status_name) == ["no_sign_change", "no_sign_change", "converged"]
     # "ignore" must not silently hand back an end of the bracket as if it were a root.
     x = m(cube, 3.0, 10.0, BAD, on_failure="ignore")
     assert float(x[0]) != 10.0 and float(x[0]) != 3.0
@@ -191,11 +190,11 @@ def test_bad_bracket_nan_and_ignore(method):
 def test_non_finite_bracket_and_function(method):
     m = METHODS[method]
     with pytest.raises(solvers.ConvergenceError, match="no sign change"):
-        m(cube, 0.0, jnp.inf, 8.0)
+        jax.block_until_ready(m(cube, 0.0, jnp.inf, 8.0))
     # NaN inside the bracket is reported, not bisected around.
     F = lambda x: jnp.where(jnp.abs(x - 1.5) < 0.6, jnp.nan, x - 1.5)  # noqa: E731
-    with pytest.raises(solvers.ConvergenceError, match="NaN inside the bracket"):
-        m(F, 0.0, 4.0)
+    with pytest.raises(solvers.ConvergenceError, match="status 'nonfinite'"):
+        jax.block_until_ready(m(F, 0.0, 4.0))
 
 
 @both
@@ -204,7 +203,7 @@ def test_step_cap_is_reported(method, jit):
     run = lambda: METHODS[method](cube, 0.0, 100.0, 8.0, max_steps=2)  # noqa: E731
     if jit:
         run = jax.jit(run)
-    with pytest.raises(Exception, match=r"did not converge: 2 steps taken \(max_steps=2\)"):
+    with pytest.raises(Exception, match=r"status 'max_steps': max_steps=2 steps were not"):
         jax.block_until_ready(run())
 
 
@@ -246,7 +245,7 @@ def test_full_output_fields():
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
-        call()
+        jax.block_until_ready(call())
 
 
 @both
@@ -298,7 +297,7 @@ def test_large_problems_in_chunks(method="chandrupatla"):  # bisection shares th
     np.testing.assert_allclose(np.asarray(x)[good], expected[good], rtol=2e-5)
     assert np.isnan(x[bad])
     assert info.converged.shape == (n,) and int(jnp.sum(~info.converged)) == 1
-    assert int(info.status[bad]) == 1 and info.num_steps.shape == (n,)
+    assert info.status_name[bad] == "no_sign_change" and info.num_steps.shape == (n,)
     # d x / d c0 = -x³ / (3 c0 x²) = -x / (3 c0); d x / d c1 = -1 / (3 c0 x²).
     g_c = grad(c, a)
     np.testing.assert_allclose(g_c[0], np.sum(-expected / 6), rtol=1e-4)

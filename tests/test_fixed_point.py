@@ -159,7 +159,7 @@ def _slow(x, a):
 
 def test_non_convergence_raises_eagerly_with_details():
     with pytest.raises(solvers.ConvergenceError) as err:
-        solvers.fixed_point(_slow, 0.0, 1.0, max_steps=7)
+        jax.block_until_ready(solvers.fixed_point(_slow, 0.0, 1.0, max_steps=7))
     message = str(err.value)
     assert "solvers.fixed_point(method='iterate') did not converge" in message
     assert "7 steps" in message and "final residual" in message
@@ -180,13 +180,15 @@ def test_on_failure_nan_marks_only_failed_batch_elements():
         jnp.array([0.0, 1.0])
     )
     assert out[0] == 0.0 and np.isnan(out[1])
+    # The guess is tested first, then 3 steps; the result is the next iterate after the
+    # last one tested (f there is already known): x_4 = 1 + 0.999 + 0.999^2 + 0.999^3.
     last = solvers.fixed_point(_slow, 0.0, 1.0, max_steps=3, on_failure="ignore")
-    np.testing.assert_allclose(last, 1.0 + 0.999 + 0.999**2, rtol=1e-6)
+    np.testing.assert_allclose(last, 1.0 + 0.999 + 0.999**2 + 0.999**3, rtol=1e-6)
 
 
 def test_non_finite_residual_is_reported():
     with pytest.raises(solvers.ConvergenceError, match="non-finite"):
-        solvers.fixed_point(lambda x, a: jnp.log(x - a), 0.5, 1.0)
+        jax.block_until_ready(solvers.fixed_point(lambda x, a: jnp.log(x - a), 0.5, 1.0))
 
 
 def test_gradient_memory_and_tracing_do_not_depend_on_steps():
@@ -268,4 +270,4 @@ def test_int_initial_guess_is_promoted():
 )
 def test_bad_input_is_rejected_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
-        call()
+        jax.block_until_ready(call())

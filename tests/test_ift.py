@@ -7,6 +7,7 @@ import pytest
 import scipy.optimize
 
 import implicit
+import solvers
 from implicit import custom_fixed_point, custom_root, linear
 
 LINEAR = ["gmres", "bicgstab", "dense", "neumann", "jfb"]
@@ -229,30 +230,33 @@ def test_neumann_and_jfb_semantics():
 
 def test_decorator_bad_input():
     with pytest.raises(TypeError, match="`residual` must be callable"):
-        custom_root(3.0)
+        jax.block_until_ready(custom_root(3.0))
     with pytest.raises(ValueError, match="unknown `linear_solver`='lu'.*'gmres'"):
-        custom_root(lambda x: x, linear_solver="lu")
+        jax.block_until_ready(custom_root(lambda x: x, linear_solver="lu"))
     with pytest.raises(ValueError, match="unknown `rule`='fwd'.*'vjp', 'jvp'"):
-        custom_root(lambda x: x, rule="fwd")
+        jax.block_until_ready(custom_root(lambda x: x, rule="fwd"))
     with pytest.raises(ValueError, match="rule='jvp'"):
-        custom_fixed_point(lambda x: x, rule="jvp", linear_solver="neumann")
+        jax.block_until_ready(custom_fixed_point(lambda x: x, rule="jvp", linear_solver="neumann"))
     with pytest.raises(ValueError, match="`rtol` must be a positive"):
-        custom_root(lambda x: x, rtol=-1.0)
+        jax.block_until_ready(custom_root(lambda x: x, rtol=-1.0))
     with pytest.raises(TypeError, match="`solver` must be callable"):
-        custom_root(lambda x: x)("not a solver")
+        jax.block_until_ready(custom_root(lambda x: x)("not a solver"))
     # A residual whose output does not match the unknown's shape is caught at trace time.
     solve = custom_root(lambda x, a: jnp.sum(x) - a)(lambda x0, a: x0)
     with pytest.raises(ValueError, match="residual\\(x0, \\*args\\).*shape"):
-        solve(jnp.zeros(3), 1.0)
+        jax.block_until_ready(solve(jnp.zeros(3), 1.0))
     bad_solver = custom_root(lambda x, a: x - a)(lambda x0, a: jnp.zeros(2))
     with pytest.raises(ValueError, match="solver's solution.*shape"):
-        bad_solver(jnp.zeros(3), 1.0)
+        jax.block_until_ready(bad_solver(jnp.zeros(3), 1.0))
 
 
 def test_public_names():
     assert implicit.custom_root is custom_root
     assert implicit.custom_fixed_point is custom_fixed_point
-    assert set(linear.LINEAR_SOLVERS) == {"gmres", "bicgstab", "cg", "dense", "neumann", "jfb"}
+    assert set(linear.LINEAR_SOLVERS) == {
+        "gmres", "bicgstab", "cg", "dense", "diagonal", "neumann", "jfb"
+    }
+    assert implicit.AdjointSolveError is solvers.AdjointSolveError
 
 
 def test_adjoint_solve_failure_is_loud():

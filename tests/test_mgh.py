@@ -203,4 +203,4 @@ def test_a_local_minimum_of_the_residual_is_reported(x64):
     # minimiser of |F| with F ≠ 0; the line search then finds no decrease, and says so.
     F, x0 = PROBLEMS["freudenstein_roth"]
     with pytest.raises(solvers.ConvergenceError, match="line search found no decrease"):
-        solvers.newton(F, jnp.asarray(x0, jnp.float64))
+        jax.block_until_ready(solvers.newton(F, jnp.asarray(x0, jnp.float64)))

@@ -168,9 +168,9 @@ def test_with_derivative_keeps_metadata_and_checks_arguments():
     assert f.__name__ == "cube" and f.__doc__ == "Cube."
     assert jax.grad(f)(2.0) == 12.0
     with pytest.raises(TypeError, match="fun"):
-        with_derivative(1.0, lambda x: x)
+        jax.block_until_ready(with_derivative(1.0, lambda x: x))
     with pytest.raises(TypeError, match="deriv"):
-        with_derivative(cube, None)
+        jax.block_until_ready(with_derivative(cube, None))
 
 
 # --------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_clip_gradient_traced_and_batched_bounds():
 
 def test_clip_gradient_is_reverse_mode_only():
     with pytest.raises(TypeError):
-        jax.jvp(lambda x: clip_gradient(x, -1.0, 1.0), (1.0,), (1.0,))
+        jax.block_until_ready(jax.jvp(lambda x: clip_gradient(x, -1.0, 1.0), (1.0,), (1.0,)))
 
 
 # --------------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def test_debug_backward_pytree_and_vmap():
 
 def test_debug_backward_checks_fn():
     with pytest.raises(TypeError, match="fn"):
-        debug_backward(1.0, "not callable")
+        jax.block_until_ready(debug_backward(1.0, "not callable"))
 
 
 # --------------------------------------------------------------------------------------

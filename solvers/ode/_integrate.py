@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from solvers import _status
 from solvers.ode import _control
 
 __all__ = [
@@ -31,11 +32,15 @@ __all__ = [
     "NONFINITE",
 ]
 
-RUNNING, MAX_STEPS, UNDERFLOW, NONFINITE = 0, 1, 2, 3
+# The shared status vocabulary (solvers._status): 0 means "not failed" (still running,
+# then converged).
+RUNNING, MAX_STEPS, UNDERFLOW, NONFINITE = (
+    _status.CONVERGED, _status.MAX_STEPS, _status.STEP_UNDERFLOW, _status.NONFINITE,
+)
 
 
 class Stats(NamedTuple):
-    status: Any  # 0 success, 1 max_steps reached, 2 step size underflow, 3 non-finite
+    status: Any  # a solvers._status code: converged (0), max_steps, step_underflow, nonfinite
     t: Any  # time reached (last accepted step)
     h: Any  # the controller's next step size
     ratio: Any  # weighted RMS error of the last step (<= 1 when accepted)

@@ -12,7 +12,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicit import _checks
 from implicit._host import host_check
-from solvers import _loop
+from solvers import _runner, _status
 from solvers.ode import _adjoint, _integrate, _tableaus
 from solvers.ode._explicit import explicit_stepper
 
@@ -35,7 +35,8 @@ class ODEInfo(NamedTuple):
       num_fevals: right-hand side evaluations.
       num_jacobians, num_factorizations: Jacobians and LU factorisations (stiff methods).
       t_final: the time reached.
-      status: 0 success, 1 ``max_steps`` reached, 2 step size underflow, 3 non-finite state.
+      status: why it stopped, a code of :data:`solvers.STATUSES` (``converged``,
+        ``max_steps``, ``step_underflow``, ``nonfinite``); ``info.status_name`` names it.
     """
 
     converged: Any
@@ -161,7 +162,7 @@ def odeint(
         jnp.asarray(0.0 if first_step is None else first_step, dtype),
     )
     solver = f"solvers.odeint(method={method!r})"
-    return _loop.dispatch(
+    return _runner.dispatch(
         _solve,
         y0,
         ts,
@@ -175,7 +176,8 @@ def odeint(
         solver=solver,
         full_output=full_output,
         max_steps=int(max_steps),
-        describe=functools.partial(_describe, solver=solver, max_steps=int(max_steps)),
+        fn=f,
+        detail=functools.partial(_detail, solver=solver),
     )
 
 
@@ -188,7 +190,7 @@ def _make_stepper(method):
     return functools.partial(explicit_stepper, tab)
 
 
-@_loop.jit_solver
+@_runner.jit_solver
 def _solve(
     y0, ts, args, tols, *, f, method, adjoint, window, on_failure, solver, check, max_steps
 ):
@@ -234,15 +236,14 @@ def _solve(
         t_final=stats.t,
         status=stats.status,
     )
-    describe = functools.partial(_describe, solver=solver, max_steps=max_steps)
-    zs = _loop.apply_failure_policy(
+    zs = _runner.apply_failure_policy(
         zs,
         info,
         solver=solver,
         on_failure=on_failure,
         check=check,
         max_steps=max_steps,
-        describe=describe,
+        detail=functools.partial(_detail, solver=solver),
     )
     return jax.vmap(unravel)(zs), info
 
@@ -272,17 +273,16 @@ def _first_failure(converged):
     return first, where
 
 
-def _describe(info, *, solver, max_steps):
-    """The forward failure message: why, and the time reached."""
-    first, where = _first_failure(info.converged)
+def _detail(info, first, *, solver):
+    """The ODE context of a failure message: the time reached, steps, a stiffness hint."""
     status = int(np.asarray(info.status)[first])
-    t = float(np.asarray(info.t_final)[first])
-    steps = int(np.asarray(info.num_steps)[first])
-    why = _why(status, max_steps, solver)
+    hint = ""
+    if status == _status.MAX_STEPS and "kvaerno5" not in solver:
+        hint = "; the problem may be stiff: try method='kvaerno5'"
     return (
-        f"{solver} failed{where} at t={t:.6g} after {steps} steps "
-        f"({int(np.asarray(info.num_rejected)[first])} rejected): {why}. "
-        "Pass on_failure='nan' or 'ignore' to get the partial result."
+        f"at t={float(np.asarray(info.t_final)[first]):.6g} after "
+        f"{int(np.asarray(info.num_steps)[first])} steps, "
+        f"{int(np.asarray(info.num_rejected)[first])} rejected{hint}"
     )
 
 
@@ -300,7 +300,7 @@ def _report_backward(status, t_fail, *, solver, max_steps):
         if code == _integrate.RUNNING:
             return
         why = _why(code, max_steps, solver)
-        raise _loop.ConvergenceError(
+        raise _runner.ConvergenceError(
             f"{solver}: the adjoint (backward) integration failed{where} at "
             f"t={float(t_fail[first]):.6g}: {why}. Loosen adjoint_rtol/adjoint_atol, increase "
             "max_steps, or pass on_failure='nan'."

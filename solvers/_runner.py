@@ -1,0 +1,433 @@
+"""The solver runner: the one place that iterates, decides termination and fails.
+
+A method is a small value (:class:`Method`): ``init(x0) -> state``, ``step(state) ->
+state`` and ``terminate(state) -> Progress`` (its error, the scale the error is relative
+to, and a status if the method itself knows it failed), closed over the user function
+and parameters. The runner owns everything else, identically for every solver:
+
+- :func:`iterate`: the ``lax.while_loop`` and the termination test. The guess is tested
+  before any step; a solve is converged only when ``error <= atol + rtol * scale`` holds
+  with a finite error and scale (and the method confirms it); a non-finite error or
+  scale stops it as ``nonfinite``; no new smallest error over ``STAGNATION_WINDOW`` steps
+  stops it as ``stagnated``; running out of steps is ``max_steps``.
+- :func:`solve`: attaches the implicit rule (one adjoint policy for every solver: the
+  backward solve runs at ``ADJOINT_RTOL_FACTOR * rtol`` with the forward ``max_steps``
+  and is checked like the forward) and applies ``on_failure``.
+- :func:`dispatch`: compiles a solver once per function object and static options,
+  raises eagerly (:class:`ConvergenceError`), or compiles a host check in under
+  transformations whose result the outputs depend on (so that it also surfaces on GPU,
+  where host callbacks are asynchronous); explains forward-mode errors; warns when the
+  same code keeps being recompiled because the function object is new at every call.
+- :func:`failure_message`: the one message builder (statuses from
+  :mod:`solvers._status`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from implicit import custom_root
+from implicit._host import host_check
+from solvers import _status
+
+__all__ = [
+    "ADJOINT_RTOL_FACTOR",
+    "ConvergenceError",
+    "Info",
+    "Method",
+    "Progress",
+    "STAGNATION_WINDOW",
+    "apply_failure_policy",
+    "dispatch",
+    "failure_message",
+    "iterate",
+    "jit_solver",
+    "max_norm",
+    "solve",
+]
+
+#: Steps without a new smallest error after which a solve is reported ``stagnated``
+#: (while the error stays within ``STAGNATION_BAND`` times its smallest value: an error
+#: that keeps growing is a divergence, left to end as ``nonfinite`` or ``max_steps``).
+STAGNATION_WINDOW = 50
+STAGNATION_BAND = 1e3
+#: The adjoint (backward) solve's tolerance relative to the forward ``rtol``: its error
+#: adds to the forward one, and a tenth keeps the gradient about as accurate as the
+#: solution (and absorbs the adjoint test's 2-norm being weaker per entry than the
+#: forward max-norm).
+ADJOINT_RTOL_FACTOR = 0.1
+
+
+class ConvergenceError(RuntimeError):
+    """A solver did not converge (raised with ``on_failure="raise"``, the default)."""
+
+
+class Info(NamedTuple):
+    """What a solve did (``full_output=True``); batched solves give batched fields.
+
+    Attributes:
+      converged: bool array, whether the stopping test was met (``status == 0``).
+      num_steps: int array, iterations taken (0 when the guess already passed the test).
+      residual: the final error measure the stopping test used (max-norm), or ``|F|``
+        for root finding.
+      residual_history: ``(max_steps,)`` error after each step, NaN past ``num_steps``;
+        ``None`` unless the solver was asked for ``full_output``.
+      status: int array, why the solve stopped: a code of the shared vocabulary
+        (:data:`solvers.STATUSES`); ``info.status_name`` gives the names.
+    """
+
+    converged: Any
+    num_steps: Any
+    residual: Any
+    residual_history: Any = None
+    status: Any = None
+
+    @property
+    def status_name(self):
+        """The status as a name (``"converged"``, ``"max_steps"``, ...), or an array of them."""
+        return _status.status_name(self.status)
+
+
+class Progress(NamedTuple):
+    """What a method says of its state, for the runner's termination test.
+
+    ``error <= atol + rtol * scale`` is the test (both non-negative scalars; the error
+    must be non-finite when the iterate is). ``status`` is ``RUNNING`` unless the method
+    knows the solve failed (e.g. ``SINGULAR``); ``confirmed`` is False when the test
+    must not end the solve yet (an error estimated from a stale Jacobian); ``merit`` is
+    what stagnation is judged on (default: ``error``).
+    """
+
+    error: Any
+    scale: Any
+    status: Any = _status.RUNNING
+    confirmed: Any = True
+    merit: Any = None
+
+
+class Method(NamedTuple):
+    """An iterative method, as the runner sees it (see the module docstring)."""
+
+    init: Callable  # x0 -> state
+    step: Callable  # state -> state
+    terminate: Callable  # state -> Progress
+
+
+def max_norm(tree):
+    """Largest absolute entry of a pytree of arrays (NaN if any entry is NaN)."""
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) == 1:
+        return jnp.max(jnp.abs(leaves[0]))
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
+
+
+def _judge(progress, rtol, atol, dtype):
+    error = jnp.asarray(progress.error, dtype)
+    scale = jnp.asarray(progress.scale, dtype)
+    finite = jnp.isfinite(error) & jnp.isfinite(scale)
+    passed = finite & (error <= atol + rtol * scale) & progress.confirmed
+    status = jnp.where(
+        progress.status != _status.RUNNING,
+        progress.status,
+        jnp.where(~finite, _status.NONFINITE, jnp.where(passed, _status.CONVERGED,
+                                                        _status.RUNNING)),
+    ).astype(jnp.int32)
+    merit = error if progress.merit is None else jnp.asarray(progress.merit, dtype)
+    return status, error, merit
+
+
+def iterate(
+    method,
+    x0,
+    *,
+    rtol,
+    atol,
+    max_steps,
+    record_history=False,
+    stagnation_window=STAGNATION_WINDOW,
+):
+    """Run ``method`` from ``x0`` until it stops; return ``(state, Info)``.
+
+    Args:
+      method: a :class:`Method`.
+      x0: the guess, passed to ``method.init``.
+      rtol, atol: tolerances (may be traced scalars).
+      max_steps: static iteration cap.
+      record_history: keep the error after every step in ``Info.residual_history``.
+      stagnation_window: steps without a new smallest ``merit`` that count as
+        stagnation (``None``: never).
+    """
+    dtype = jnp.result_type(rtol)
+    state = method.init(x0)
+    status, error, merit = _judge(method.terminate(state), rtol, atol, dtype)
+    history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
+    zero = jnp.zeros((), jnp.int32)
+
+    def cond(carry):
+        _, k, status, *_ = carry
+        return (status == _status.RUNNING) & (k < max_steps)
+
+    def body(carry):
+        state, k, _, _, best, since, history = carry
+        state = method.step(state)
+        status, error, merit = _judge(method.terminate(state), rtol, atol, dtype)
+        improved = merit < best
+        since = jnp.where(improved, 0, since + 1)
+        if stagnation_window is not None:
+            stuck = (
+                (status == _status.RUNNING)
+                & (since >= stagnation_window)
+                & (merit <= STAGNATION_BAND * best)
+            )
+            status = jnp.where(stuck, _status.STAGNATED, status)
+        if record_history:
+            history = history.at[k].set(error)
+        return state, k + 1, status, error, jnp.minimum(best, merit), since, history
+
+    init = (state, zero, status, error, merit, zero, history)
+    state, k, status, error, _, _, history = jax.lax.while_loop(cond, body, init)
+    status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
+    info = Info(
+        converged=status == _status.CONVERGED,
+        num_steps=k,
+        residual=error,
+        residual_history=history if record_history else None,
+        status=status,
+    )
+    return state, info
+
+
+# --- failure messages and the failure policy -------------------------------------------
+
+
+def failure_message(info, *, solver, max_steps, detail=None):
+    """The message of a failed solve (``info`` with NumPy leaves, batched or not).
+
+    ``detail(info, index) -> str``, if given, adds solver-specific context (an ODE's time
+    reached) for the first failed element.
+    """
+    converged = np.asarray(info.converged)
+    failed = ~converged
+    status = np.broadcast_to(np.asarray(info.status), failed.shape)
+    steps = np.broadcast_to(np.asarray(info.num_steps), failed.shape)
+    residual = np.broadcast_to(np.asarray(info.residual), failed.shape)
+    if failed.ndim == 0:
+        first, where = (), ""
+    else:
+        idx = np.argwhere(failed)
+        first = tuple(int(i) for i in idx[0])
+        where = f" ({idx.shape[0]} of {failed.size} batch elements failed; first at index {first})"
+    code = int(status[first])
+    why, advice = _status.explain(code, max_steps=max_steps)
+    context = f"{int(steps[first])} steps, final residual {float(residual[first]):.3e}"
+    if detail is not None:
+        context = detail(info, first)
+    return (
+        f"{solver} did not converge{where}: status '{_status.status_name(code)}': {why} "
+        f"({context}). To fix: {advice}; or pass on_failure='nan' or 'ignore' to get the "
+        "result anyway."
+    )
+
+
+def _raise_described(info, *, describe):
+    info = jax.tree.map(np.asarray, info)
+    if not np.all(info.converged):
+        raise ConvergenceError(describe(info))
+
+
+def _describer(solver, max_steps, detail):
+    def describe(info):
+        return failure_message(info, solver=solver, max_steps=max_steps, detail=detail)
+
+    return describe
+
+
+def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, detail=None):
+    """Apply ``on_failure`` inside a trace.
+
+    ``"nan"`` fills the solution of failed solves (only those elements: ``converged``
+    may be elementwise) with NaN; ``"raise"`` with ``check="callback"`` raises from a
+    host check at run time, and the returned solution depends on that check (the eager
+    path, ``check="host"``, raises in :func:`dispatch` instead); ``"ignore"`` returns the
+    last iterate.
+    """
+    if on_failure == "nan":
+        return jax.tree.map(lambda leaf: jnp.where(info.converged, leaf, jnp.nan), x)
+    if on_failure == "raise" and check == "callback":
+        describe = _describer(solver, max_steps, detail)
+        # The history is left out: the host needs only the final values (and a traced
+        # array closed over by the callback would fail to convert).
+        checked = {k: v for k, v in info._asdict().items()
+                   if v is not None and k != "residual_history"}
+        ok = host_check(
+            info.converged,
+            lambda i: _raise_described(info._replace(**i, residual_history=None),
+                                       describe=describe),
+            checked,
+        )
+        # Folding the check's result into the output keeps it from being dropped and
+        # makes the output wait for it (asynchronous callbacks on GPU).
+        return jax.tree.map(lambda leaf: jnp.where(ok, leaf, jnp.nan), x)
+    return x
+
+
+# --- the implicit rule and the policy, attached once ------------------------------------
+
+
+def solve(
+    residual,
+    body,
+    x0,
+    args,
+    *,
+    rtol,
+    rule,
+    linear_solver,
+    on_failure,
+    check,
+    max_steps,
+    solver,
+    detail=None,
+):
+    """Run ``body(x0, args) -> (x, Info)`` with implicit derivatives and ``on_failure``.
+
+    ``residual(x, *args) == 0`` at the solution gives the derivatives (the iterations in
+    ``body`` are never differentiated); the adjoint linear solve uses ``linear_solver``
+    at ``ADJOINT_RTOL_FACTOR * rtol`` with ``max_steps`` and follows ``on_failure`` too.
+    """
+
+    @custom_root(
+        residual,
+        linear_solver=linear_solver,
+        has_aux=True,
+        rule=rule,
+        rtol=ADJOINT_RTOL_FACTOR * rtol,
+        max_steps=max_steps,
+        on_failure=on_failure,
+    )
+    def implicit_solve(x0, *args):
+        x, info = body(x0, args)
+        x = apply_failure_policy(
+            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps,
+            detail=detail,
+        )
+        return x, info
+
+    return implicit_solve(x0, *args)
+
+
+# --- dispatch: compile once, raise eagerly, explain --------------------------------------
+
+
+def jit_solver(impl):
+    """``jax.jit`` a solver's implementation with its keyword-only parameters static.
+
+    Convention of every solver here: arrays (the guess, parameters, tolerances) are
+    positional and traced, so changing them never recompiles; the function, method
+    names and other options are keyword-only and static (hashable).
+    """
+    params = inspect.signature(impl).parameters.values()
+    static = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    return jax.jit(impl, static_argnames=static)
+
+
+def _is_traced(tree) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def _under_transformation(args) -> bool:
+    """Whether the solve's outputs will be traced values (then the check is compiled in).
+
+    True when an input is a tracer (vmap, grad, jit of the parameters), or inside a
+    ``jit``/``eval_shape`` trace, where even a constant operation gives a tracer. A
+    function that closes over a traced value is caught after the call (see dispatch).
+    """
+    if _is_traced(args):
+        return True
+    return isinstance(jax.lax.add(np.float32(0), np.float32(0)), jax.core.Tracer)
+
+
+#: Function objects seen per code object, to spot a fresh lambda per call.
+_SEEN: dict = {}
+_WARNED: set = set()
+_RECOMPILE_WARN_AFTER = 3
+
+
+def _watch_recompiles(fn, solver):
+    """Warn once when the same code arrives as a new function object again and again.
+
+    ``jax.jit`` caches on the function object, so a lambda (or a nested function) made
+    afresh at every call is compiled afresh at every call.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or code in _WARNED:
+        return
+    seen = _SEEN.setdefault(code, [])
+    if any(ref() is fn for ref in seen):
+        return
+    try:
+        import weakref
+
+        seen.append(weakref.ref(fn))
+    except TypeError:
+        return
+    if len(seen) >= _RECOMPILE_WARN_AFTER:
+        _WARNED.add(code)
+        _SEEN.pop(code, None)
+        warnings.warn(
+            f"{solver} is being compiled again because its function is a new object at "
+            f"every call (the same code, {code.co_filename}:{code.co_firstlineno}); "
+            "compiled solvers are cached per function object. Define the function once "
+            "(outside the loop or the calling function) and pass changing values as "
+            "*args, so that the compiled solver is reused.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def dispatch(
+    jitted, *args, solver, on_failure, full_output, max_steps, fn=None, detail=None, **static
+):
+    """Call a solver's jitted implementation and apply the eager failure check.
+
+    ``jitted(*args, check=..., solver=..., on_failure=..., max_steps=..., **static)``
+    must return ``(x, info)``; ``fn`` is the user's function (watched for recompiles);
+    ``detail(info, index) -> str``, if given, adds context to the failure message.
+    """
+    check = "callback" if _under_transformation(args) else "host"
+    if fn is not None and check == "host":
+        _watch_recompiles(fn, solver)
+
+    def call(check):
+        return jitted(
+            *args, check=check, solver=solver, on_failure=on_failure, max_steps=max_steps,
+            **static,
+        )
+
+    try:
+        x, info = call(check)
+        if check == "host" and _is_traced(info):
+            # The function closes over a traced value (e.g. under grad): the outputs
+            # are traced after all, so the check must be compiled in.
+            check = "callback"
+            x, info = call(check)
+    except TypeError as err:
+        if "forward-mode" not in str(err) or "custom_vjp" not in str(err):
+            raise
+        hint = (
+            "pass rule='jvp' (with a linear linear_solver such as 'gmres' or 'dense') "
+            "for forward mode (jax.jvp, jax.jacfwd, jax.hessian)"
+            if "rule" in static
+            else "it is differentiated in reverse mode only (jax.grad, jax.vjp, jax.jacrev)"
+        )
+        raise TypeError(f"{solver}: forward-mode differentiation needs a forward rule: "
+                        f"{hint}.") from err
+    if check == "host" and on_failure == "raise":
+        _raise_described(info, describe=_describer(solver, max_steps, detail))
+    return (x, info) if full_output else x
