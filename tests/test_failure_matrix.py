@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 import solvers
-from solvers._status import STATUSES, status_name
+from solvers import STATUSES, status_name
 
 # --------------------------------------------------------------------------------------
 # User functions (module level: one object each, so repeated calls hit the jit caches)
@@ -433,6 +433,7 @@ def _check_raise(case, mode, batch):
     assert case.status in message, message
     if case.status == "nonfinite":
         assert "increase max_steps" not in message.lower(), message
+    # The contract: ConvergenceError (or a subclass) in every mode, not only eagerly.
     assert isinstance(err.value, solvers.ConvergenceError), (
         f"{case.id}: raised {type(err.value).__name__}, not solvers.ConvergenceError"
     )
