@@ -360,7 +360,7 @@ def test_on_failure_nan_and_ignore(x64):
     ys, info = odeint(robertson, ROB_Y0, ts, *ROBERTSON_K, max_steps=300, on_failure="ignore",
                       full_output=True)
     assert not bool(info.converged) and int(info.num_steps) == 300
-    assert int(info.status) == _status.MAX_STEPS
+    assert int(info.status) == _status.MAX_STEPS and info.status_name == "max_steps"
     assert 1e-3 < float(info.t_final) < 1e5
     assert np.all(np.isfinite(ys[:2])) and np.all(np.isnan(ys[3]))  # reached / not reached
 
@@ -399,6 +399,7 @@ def test_full_output_counts(x64):
     _, info = odeint(lotka_volterra, jnp.array([1.0, 1.0]), jnp.linspace(0.0, 10.0, 50),
                      *LV_PARAMS, rtol=1e-6, atol=1e-6, full_output=True)
     assert bool(info.converged) and int(info.status) == 0 and float(info.t_final) == 10.0
+    assert info.status_name == "converged"
     assert int(info.num_steps) == int(info.num_accepted) + int(info.num_rejected)
     # FSAL: six evaluations per attempted step, plus the first derivative and initial step.
     assert int(info.num_fevals) == 6 * int(info.num_steps) + 2
@@ -491,6 +492,7 @@ def test_traced_ts_not_increasing(ts):
     )(ts)
     assert float(ys[0]) == 1.0 and np.all(np.isnan(ys[1:]))
     assert not bool(info.converged) and int(info.status) == _status.INVALID_INPUT
+    assert info.status_name == "invalid_input"
     assert int(info.num_steps) == 0
     # Gradients are NaN too, whatever on_failure.
     for on_failure in ("nan", "ignore"):

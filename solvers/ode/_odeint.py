@@ -35,8 +35,8 @@ class ODEInfo(NamedTuple):
       num_fevals: right-hand side evaluations.
       num_jacobians, num_factorizations: Jacobians and LU factorisations (stiff methods).
       t_final: the time reached.
-      status: why it stopped, a code of :mod:`solvers._status` (names:
-        ``solvers._status.status_name(info.status)``): ``CONVERGED`` (0: reached
+      status: why it stopped, a code of :mod:`solvers._status` (its name:
+        ``info.status_name``, or ``solvers._status.status_name``): ``CONVERGED`` (0: reached
         ``ts[-1]``), ``MAX_STEPS``, ``STEP_UNDERFLOW``, ``NONFINITE`` (the state or ``f``
         became NaN or inf) or ``INVALID_INPUT`` (traced ``ts`` not strictly increasing).
     """
@@ -51,6 +51,14 @@ class ODEInfo(NamedTuple):
     num_factorizations: Any
     t_final: Any
     status: Any
+
+    @property
+    def status_name(self):
+        """The name(s) of ``status`` (concrete values only): a str, or an array of them."""
+        codes = np.asarray(self.status)
+        if codes.ndim == 0:
+            return _status_name(int(codes))
+        return np.vectorize(lambda c: _status_name(int(c)), otypes=[object])(codes)
 
 
 def odeint(
