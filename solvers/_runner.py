@@ -24,6 +24,7 @@ and parameters. The runner owns everything else, identically for every solver:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -206,11 +207,12 @@ def iterate(
 # --- failure messages and the failure policy -------------------------------------------
 
 
-def failure_message(info, *, solver, max_steps, detail=None):
+def failure_message(info, *, solver, max_steps, detail=None, explain=None):
     """The message of a failed solve (``info`` with NumPy leaves, batched or not).
 
-    ``detail(info, index) -> str``, if given, adds solver-specific context (an ODE's time
-    reached) for the first failed element.
+    ``detail(info, index) -> str``, if given, replaces the default context (steps and
+    residual) of the first failed element with a solver's own (an ODE's time reached);
+    ``explain(code) -> (why, advice)`` replaces :func:`solvers._status.explain`.
     """
     converged = np.asarray(info.converged)
     failed = ~converged
@@ -224,7 +226,7 @@ def failure_message(info, *, solver, max_steps, detail=None):
         first = tuple(int(i) for i in idx[0])
         where = f" ({idx.shape[0]} of {failed.size} batch elements failed; first at index {first})"
     code = int(status[first])
-    why, advice = _status.explain(code, max_steps=max_steps)
+    why, advice = (explain or functools.partial(_status.explain, max_steps=max_steps))(code)
     context = f"{int(steps[first])} steps, final residual {float(residual[first]):.3e}"
     if detail is not None:
         context = detail(info, first)
@@ -241,34 +243,34 @@ def _raise_described(info, *, describe):
         raise ConvergenceError(describe(info))
 
 
-def _describer(solver, max_steps, detail):
+def _describer(solver, max_steps, message):
     def describe(info):
-        return failure_message(info, solver=solver, max_steps=max_steps, detail=detail)
+        return failure_message(info, solver=solver, max_steps=max_steps, **message)
 
     return describe
 
 
-def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, detail=None):
+def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, message=None):
     """Apply ``on_failure`` inside a trace.
 
     ``"nan"`` fills the solution of failed solves (only those elements: ``converged``
     may be elementwise) with NaN; ``"raise"`` with ``check="callback"`` raises from a
     host check at run time, and the returned solution depends on that check (the eager
     path, ``check="host"``, raises in :func:`dispatch` instead); ``"ignore"`` returns the
-    last iterate.
+    last iterate. ``message``: the ``detail``/``explain`` hooks of :func:`failure_message`.
     """
     if on_failure == "nan":
         return jax.tree.map(lambda leaf: jnp.where(info.converged, leaf, jnp.nan), x)
     if on_failure == "raise" and check == "callback":
-        describe = _describer(solver, max_steps, detail)
+        describe = _describer(solver, max_steps, message or {})
         # The history is left out: the host needs only the final values (and a traced
         # array closed over by the callback would fail to convert).
         checked = {k: v for k, v in info._asdict().items()
                    if v is not None and k != "residual_history"}
+        drop = {"residual_history": None} if "residual_history" in info._fields else {}
         ok = host_check(
             info.converged,
-            lambda i: _raise_described(info._replace(**i, residual_history=None),
-                                       describe=describe),
+            lambda i: _raise_described(info._replace(**i, **drop), describe=describe),
             checked,
         )
         # Folding the check's result into the output keeps it from being dropped and
@@ -293,7 +295,6 @@ def solve(
     check,
     max_steps,
     solver,
-    detail=None,
 ):
     """Run ``body(x0, args) -> (x, Info)`` with implicit derivatives and ``on_failure``.
 
@@ -314,8 +315,7 @@ def solve(
     def implicit_solve(x0, *args):
         x, info = body(x0, args)
         x = apply_failure_policy(
-            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps,
-            detail=detail,
+            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps
         )
         return x, info
 
@@ -392,13 +392,13 @@ def _watch_recompiles(fn, solver):
 
 
 def dispatch(
-    jitted, *args, solver, on_failure, full_output, max_steps, fn=None, detail=None, **static
+    jitted, *args, solver, on_failure, full_output, max_steps, fn=None, message=None, **static
 ):
     """Call a solver's jitted implementation and apply the eager failure check.
 
     ``jitted(*args, check=..., solver=..., on_failure=..., max_steps=..., **static)``
     must return ``(x, info)``; ``fn`` is the user's function (watched for recompiles);
-    ``detail(info, index) -> str``, if given, adds context to the failure message.
+    ``message``: the ``detail``/``explain`` hooks of :func:`failure_message`.
     """
     check = "callback" if _under_transformation(args) else "host"
     if fn is not None and check == "host":
@@ -429,5 +429,5 @@ def dispatch(
         raise TypeError(f"{solver}: forward-mode differentiation needs a forward rule: "
                         f"{hint}.") from err
     if check == "host" and on_failure == "raise":
-        _raise_described(info, describe=_describer(solver, max_steps, detail))
+        _raise_described(info, describe=_describer(solver, max_steps, message or {}))
     return (x, info) if full_output else x

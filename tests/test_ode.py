@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import solvers
+from solvers import _status
 from solvers.ode import odeint
 
 # --- problems (module level: one compiled solver per function object) ----------------
@@ -298,7 +299,8 @@ def test_higher_order_through_interpolating_adjoint_is_refused(x64):
         return odeint(decay, 1.0, jnp.array([0.0, 1.0]), k, method="kvaerno5")[-1]
 
     with pytest.raises(NotImplementedError, match="adjoint='backsolve'"):
-        jax.grad(jax.grad(final))(0.7)  # refused while tracing: nothing is compiled
+        # refused while tracing: nothing is compiled
+        jax.block_until_ready(jax.grad(jax.grad(final))(0.7))
 
 
 def test_tolerances_are_traced_and_calls_compile_once(x64):
@@ -338,15 +340,17 @@ ROB_TS = jnp.array([0.0, 1e5])
 
 
 def test_explicit_method_on_stiff_problem_fails_loudly(x64):
-    with pytest.raises(solvers.ConvergenceError, match=r"failed at t=.*max_steps=300.*stiff"):
-        odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300)
-    with pytest.raises(Exception, match=r"failed at t=.*max_steps=300"):  # under jit too
-        jax.jit(lambda: odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300))()
+    with pytest.raises(solvers.ConvergenceError, match=r"max_steps=300.*failed at t=.*stiff"):
+        jax.block_until_ready(odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300))
+    with pytest.raises(Exception, match=r"max_steps=300.*failed at t="):  # under jit too
+        jax.block_until_ready(
+            jax.jit(lambda: odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300))()
+        )
 
 
 def test_default_max_steps_also_fails_loudly(x64):
     with pytest.raises(solvers.ConvergenceError, match="max_steps=10000"):
-        odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K)
+        jax.block_until_ready(odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K))
 
 
 def test_on_failure_nan_and_ignore(x64):
@@ -355,7 +359,8 @@ def test_on_failure_nan_and_ignore(x64):
     assert np.all(np.isnan(ys))
     ys, info = odeint(robertson, ROB_Y0, ts, *ROBERTSON_K, max_steps=300, on_failure="ignore",
                       full_output=True)
-    assert not bool(info.converged) and int(info.status) == 1 and int(info.num_steps) == 300
+    assert not bool(info.converged) and int(info.num_steps) == 300
+    assert int(info.status) == _status.MAX_STEPS and info.status_name == "max_steps"
     assert 1e-3 < float(info.t_final) < 1e5
     assert np.all(np.isfinite(ys[:2])) and np.all(np.isnan(ys[3]))  # reached / not reached
 
@@ -370,10 +375,12 @@ def test_vmap_failure_is_per_element(x64):
 
 
 def test_nonfinite_state_raises(x64):
-    with pytest.raises(solvers.ConvergenceError, match=r"failed at t=1\b.*non-finite"):
-        odeint(lambda y, t: y**2, 1.0, jnp.array([0.0, 2.0]))
-    with pytest.raises(solvers.ConvergenceError, match=r"at t=0.5\b.*non-finite"):
-        odeint(lambda y, t: jnp.where(t > 0.5, jnp.nan, -y), 1.0, jnp.array([0.0, 1.0]))
+    with pytest.raises(solvers.ConvergenceError, match=r"non-finite.*failed at t=1\b"):
+        jax.block_until_ready(odeint(lambda y, t: y**2, 1.0, jnp.array([0.0, 2.0])))
+    with pytest.raises(solvers.ConvergenceError, match=r"non-finite.*at t=0.5\b"):
+        jax.block_until_ready(
+            odeint(lambda y, t: jnp.where(t > 0.5, jnp.nan, -y), 1.0, jnp.array([0.0, 1.0]))
+        )
 
 
 def test_backward_failure_follows_on_failure(x64):
@@ -385,17 +392,138 @@ def test_backward_failure_follows_on_failure(x64):
 
     assert np.isnan(jax.grad(loss)(0.5, "nan"))
     with pytest.raises(Exception, match=r"adjoint \(backward\) integration failed at t="):
-        jax.grad(loss)(0.5, "raise")
+        jax.block_until_ready(jax.grad(loss)(0.5, "raise"))
 
 
 def test_full_output_counts(x64):
     _, info = odeint(lotka_volterra, jnp.array([1.0, 1.0]), jnp.linspace(0.0, 10.0, 50),
                      *LV_PARAMS, rtol=1e-6, atol=1e-6, full_output=True)
     assert bool(info.converged) and int(info.status) == 0 and float(info.t_final) == 10.0
+    assert info.status_name == "converged"
     assert int(info.num_steps) == int(info.num_accepted) + int(info.num_rejected)
     # FSAL: six evaluations per attempted step, plus the first derivative and initial step.
     assert int(info.num_fevals) == 6 * int(info.num_steps) + 2
     assert float(info.residual) <= 1.0
+
+
+# --- failure messages and statuses ------------------------------------------------------------
+
+
+def _message(fn, *args, error=solvers.ConvergenceError):
+    # (A backward pass raises from a host callback: JAX re-raises it as its runtime error.)
+    with pytest.raises(error) as excinfo:
+        jax.block_until_ready(fn(*args))
+    return str(excinfo.value)
+
+
+def test_max_steps_message_names_solver_status_and_time(x64):
+    msg = _message(lambda: odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, max_steps=300))
+    assert msg.startswith("solvers.odeint(method='dopri5') did not converge: status 'max_steps'")
+    assert "failed at t=" in msg
+    assert "after 300 steps" in msg and "'max_steps'" in msg
+    assert "increase max_steps" in msg and "method='kvaerno5'" in msg
+    msg = _message(lambda: odeint(robertson, ROB_Y0, ROB_TS, *ROBERTSON_K, method="kvaerno5",
+                                  max_steps=5))
+    assert msg.startswith("solvers.odeint(method='kvaerno5') did not converge")
+    assert "failed at t=" in msg
+    assert "'max_steps'" in msg and "try method=" not in msg
+
+
+@pytest.mark.parametrize("method", ["dopri5", "kvaerno5"])
+def test_nan_right_hand_side_does_not_ask_for_more_steps(x64, method):
+    msg = _message(lambda: odeint(lambda y, t: jnp.nan * y, 1.0, jnp.array([0.0, 1.0]),
+                                  method=method))
+    assert msg.startswith(f"solvers.odeint(method={method!r}) did not converge")
+    assert "failed at t=0 " in msg
+    assert "'nonfinite'" in msg and "non-finite" in msg
+    assert "max_steps" not in msg
+
+
+def test_nan_at_the_step_budget_is_reported_as_nonfinite(x64):
+    # f is NaN past t = 0.5: the controller shrinks the step there until it underflows.
+    # Cut the run short while it is doing so: the budget is spent on non-finite steps,
+    # which more steps would not cure.
+    def f(y, t):
+        return jnp.where(t > 0.5, jnp.nan, -y)
+
+    ts = jnp.array([0.0, 1.0])
+    _, full = odeint(f, 1.0, ts, on_failure="ignore", full_output=True)
+    assert int(full.status) == _status.NONFINITE and int(full.num_rejected) > 5
+    budget = int(full.num_steps) - 3
+    _, info = odeint(f, 1.0, ts, max_steps=budget, on_failure="ignore", full_output=True)
+    assert int(info.num_steps) == budget and int(info.status) == _status.NONFINITE
+    msg = _message(lambda: odeint(f, 1.0, ts, max_steps=budget))
+    assert "'nonfinite'" in msg and "at t=0.5" in msg
+    assert "increase max_steps" not in msg
+
+
+def test_backward_nan_message(x64):
+    # The forward pass is finite; the right-hand side's derivative is not (d/dy sqrt(0)).
+    def f(y, t, k):
+        return -k * y + 0.0 * jnp.sqrt(y - y)
+
+    ts = jnp.array([0.0, 1.0])
+    np.testing.assert_allclose(odeint(f, 1.0, ts, 0.5, rtol=1e-10, atol=1e-12)[-1],
+                               np.exp(-0.5), rtol=1e-8)
+    msg = _message(jax.grad(lambda k: odeint(f, 1.0, ts, k)[-1]), 0.5, error=Exception)
+    assert "solvers.odeint(method='dopri5'): the adjoint (backward) integration" in msg
+    assert "'nonfinite'" in msg and "increase max_steps" not in msg
+
+
+# --- traced output times: checked at run time ---------------------------------------------------
+
+BAD_TS = [[0.0, 1.0, 0.5], [1.0, 0.5, 0.0], [0.0, 1.0, 1.0], [0.0, np.nan, 1.0]]
+
+
+def exp_decay(y, t):
+    return -y
+
+
+@pytest.mark.parametrize("ts", BAD_TS)
+def test_traced_ts_not_increasing(ts):
+    ts = jnp.array(ts)
+    # raise: the message says what is wrong (under jit the error surfaces at the call).
+    with pytest.raises(Exception, match="`ts` must be strictly increasing"):
+        jax.block_until_ready(jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10))(ts))
+    # nan: every output.
+    ys = jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="nan"))(ts)
+    assert np.all(np.isnan(ys))
+    # ignore: y0, then NaN; no step taken.
+    ys, info = jax.jit(
+        lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="ignore",
+                          full_output=True)
+    )(ts)
+    assert float(ys[0]) == 1.0 and np.all(np.isnan(ys[1:]))
+    assert not bool(info.converged) and int(info.status) == _status.INVALID_INPUT
+    assert info.status_name == "invalid_input"
+    assert int(info.num_steps) == 0
+    # Gradients are NaN too, whatever on_failure.
+    for on_failure in ("nan", "ignore"):
+        g = jax.jit(jax.grad(lambda y0, ts: jnp.sum(
+            odeint(exp_decay, y0, ts, max_steps=10, on_failure=on_failure)[:2]
+        )))(1.0, ts)
+        assert np.isnan(g)
+
+
+def test_traced_ts_valid_and_invalid_in_one_batch():
+    batch = jnp.array([[0.0, 0.5, 1.0], [0.0, 1.0, 0.5], [0.0, 2.0, 3.0]])
+    ys = jax.jit(jax.vmap(lambda ts: odeint(exp_decay, 1.0, ts, on_failure="nan")))(batch)
+    np.testing.assert_allclose(ys[0], np.exp(-np.array([0.0, 0.5, 1.0])), rtol=2e-5)
+    np.testing.assert_allclose(ys[2], np.exp(-np.array([0.0, 2.0, 3.0])), rtol=2e-5)
+    assert np.all(np.isnan(ys[1]))
+    with pytest.raises(Exception, match=r"1 of 3 batch elements failed.*strictly increasing"):
+        jax.block_until_ready(jax.jit(jax.vmap(lambda ts: odeint(exp_decay, 1.0, ts)))(batch))
+
+
+def test_interpolating_adjoint_with_traced_ts(x64):
+    # kvaerno5's default adjoint (the one with its own while_loop) under jit with traced ts.
+    ts = jnp.array([0.0, 0.5, 1.0])
+    g = jax.jit(jax.grad(lambda k, ts: odeint(decay, 1.0, ts, k, method="kvaerno5",
+                                              rtol=1e-8, atol=1e-10)[-1]))(0.5, ts)
+    np.testing.assert_allclose(g, -np.exp(-0.5), rtol=1e-5)
+    g = jax.jit(jax.grad(lambda k, ts: odeint(decay, 1.0, ts, k, method="kvaerno5",
+                                              on_failure="nan")[-1]))(0.5, ts[::-1])
+    assert np.isnan(g)
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -429,4 +557,4 @@ def test_bad_input(kwargs, error, match):
     call.update(kwargs)
     f, y0, ts, args = (call.pop(key) for key in ("f", "y0", "ts", "args"))
     with pytest.raises(error, match=match):
-        odeint(f, y0, ts, *args, **call)
+        jax.block_until_ready(odeint(f, y0, ts, *args, **call))

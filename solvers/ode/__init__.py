@@ -56,7 +56,11 @@ Failures
   state all follow ``on_failure``: by default a :class:`solvers.ConvergenceError` naming
   the time reached (under ``jit`` too), or NaN (``"nan"``), or the outputs reached so far
   with NaN after (``"ignore"``). An explicit method on a stiff problem therefore fails
-  loudly instead of returning garbage. ``full_output=True`` adds an :class:`ODEInfo`.
+  loudly instead of returning garbage. Traced output times (under ``jit``) that are not
+  finite and strictly increasing are checked at run time: nothing is integrated and the
+  status is ``invalid_input``, following ``on_failure`` too. ``full_output=True`` adds an
+  :class:`ODEInfo`, whose ``status`` is a code of :mod:`solvers._status` (``max_steps``,
+  ``step_underflow``, ``nonfinite``, ``invalid_input``; ``info.status_name`` names it).
 """
 
 from solvers.ode._odeint import METHODS, ODEInfo, odeint

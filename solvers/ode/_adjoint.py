@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from solvers import _status
 from solvers.ode import _integrate
 
 __all__ = ["make_solve"]
@@ -126,10 +127,10 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             zs2, st = adjoint_solve(z2, ts2, (theta, lam[n_u:]), const, ctl2)
             end = zs2[1]
             lam = jnp.concatenate([end[n_u : 2 * n_u], lam[n_u:]])
-            first_failure = (status == _integrate.RUNNING) & (st.status != _integrate.RUNNING)
+            first_failure = (status == _integrate.NOT_FAILED) & (st.status != _integrate.NOT_FAILED)
             t_fail = jnp.where(first_failure, -st.t, t_fail)
-            status = jnp.where(status == _integrate.RUNNING, st.status, status)
-            left = jnp.where(status == _integrate.RUNNING, left - st.num_steps, 0)
+            status = jnp.where(status == _integrate.NOT_FAILED, st.status, status)
+            left = jnp.where(status == _integrate.NOT_FAILED, left - st.num_steps, 0)
             return (lam, end[2 * n_u :], st.h, left, status, t_fail), None
 
         init = (
@@ -137,7 +138,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             _flat(theta, dtype) * 0,
             jnp.zeros((), dtype),  # automatic initial step on the first interval
             jnp.asarray(budget, jnp.int32),
-            jnp.asarray(_integrate.RUNNING, jnp.int32),
+            jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
             ts[-1],
         )
         (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
@@ -204,7 +205,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         n_u = n_ctrl
         if T == 1:
             lam, theta_bar = jnp.zeros_like(gz[0]), _flat(theta, zs.dtype) * 0
-            status, t_fail = jnp.asarray(_integrate.RUNNING, jnp.int32), ts[0]
+            status, t_fail = jnp.asarray(_integrate.NOT_FAILED, jnp.int32), ts[0]
         else:
             lam, theta_bar, status, t_fail = backsolve(zs, ts, theta, const, ctl, gz)
         z0_bar, ts_bar, theta_bar = _finish(
@@ -264,11 +265,11 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             backward, lambda v, r: G_lam(v, r)[:n], z2, jnp.stack([-end, -record.start]),
             adj_rtol, adj_atol, h, left, n,
         )
-        fail_f = st_f.status != _integrate.RUNNING
+        fail_f = st_f.status != _integrate.NOT_FAILED
         new_status = jnp.where(fail_f, st_f.status, st_b.status)
         new_t = jnp.where(fail_f, st_f.t, -st_b.t)
-        first = (status == _integrate.RUNNING) & (new_status != _integrate.RUNNING)
-        status = jnp.where(status == _integrate.RUNNING, new_status, status)
+        first = (status == _integrate.NOT_FAILED) & (new_status != _integrate.NOT_FAILED)
+        status = jnp.where(status == _integrate.NOT_FAILED, new_status, status)
         t_fail = jnp.where(first, new_t, t_fail)
         end = out[1]
         return (k, record.start, end[:n], end[n:], st_b.h, left - st_b.num_steps, status,
@@ -279,11 +280,18 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lam = lam + gz[k]
 
         def more(c):
-            return (c[1] > ts[k - 1]) & (c[6] == _integrate.RUNNING)
+            # Bounded by the step budget: every window takes at least one backward step.
+            return (c[1] > ts[k - 1]) & (c[6] == _integrate.NOT_FAILED) & (c[5] > 0)
 
         # The jump in λ starts a fresh transient: pick the first step afresh (h = 0).
         c = (k, ts[k], lam, theta_bar, h * 0, left, status, t_fail)
-        _, _, lam, theta_bar, h, left, status, t_fail = jax.lax.while_loop(more, window_step, c)
+        _, end, lam, theta_bar, h, left, status, t_fail = jax.lax.while_loop(
+            more, window_step, c
+        )
+        # Out of budget before the interval's start: max_steps.
+        short = (status == _integrate.NOT_FAILED) & (end > ts[k - 1])
+        t_fail = jnp.where(short, end, t_fail)
+        status = jnp.where(short, _status.MAX_STEPS, status)
         return (lam, theta_bar, h, left, status, t_fail), None
 
     init = (
@@ -291,7 +299,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         _flat(theta, dtype) * 0,
         jnp.zeros((), dtype),  # automatic initial step on the first window
         budget,
-        jnp.asarray(_integrate.RUNNING, jnp.int32),
+        jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
         ts[-1],
     )
     (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
@@ -317,8 +325,12 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
     dzs = jax.vmap(rhs)(us[1:], ts[1:])
     ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
     cotangents = (z0_bar, ts_bar, theta_bar)
+    # Traced times that are not increasing: the forward outputs were NaN after ts[0]
+    # whatever on_failure, and so are the cotangents.
+    valid = _integrate.valid_times(ts)
+    cotangents = tuple(jnp.where(valid, v, jnp.nan) for v in cotangents)
     if on_failure == "nan":
-        failed = status != _integrate.RUNNING
+        failed = status != _integrate.NOT_FAILED
         cotangents = tuple(jnp.where(failed, jnp.nan, v) for v in cotangents)
     elif on_failure == "raise":
         ok = report(status, t_fail)

@@ -35,8 +35,10 @@ class ODEInfo(NamedTuple):
       num_fevals: right-hand side evaluations.
       num_jacobians, num_factorizations: Jacobians and LU factorisations (stiff methods).
       t_final: the time reached.
-      status: why it stopped, a code of :data:`solvers.STATUSES` (``converged``,
-        ``max_steps``, ``step_underflow``, ``nonfinite``); ``info.status_name`` names it.
+      status: why it stopped, a code of :mod:`solvers._status` (its name:
+        ``info.status_name``, or ``solvers._status.status_name``): ``CONVERGED`` (0: reached
+        ``ts[-1]``), ``MAX_STEPS``, ``STEP_UNDERFLOW``, ``NONFINITE`` (the state or ``f``
+        became NaN or inf) or ``INVALID_INPUT`` (traced ``ts`` not strictly increasing).
     """
 
     converged: Any
@@ -49,6 +51,11 @@ class ODEInfo(NamedTuple):
     num_factorizations: Any
     t_final: Any
     status: Any
+
+    @property
+    def status_name(self):
+        """The name(s) of ``status`` (concrete values only): a str, or an array of them."""
+        return _status.status_name(self.status)
 
 
 def odeint(
@@ -111,11 +118,11 @@ def odeint(
       adjoint_window: forward steps the interpolating adjoint keeps at a time (its
         memory); more steps per output interval are recomputed in pieces.
       first_step: initial step size (default: chosen automatically).
-      on_failure: what to do when ``max_steps`` is exhausted, the step size underflows or
-        the state becomes non-finite (forward or backward): ``"raise"`` (default: a
-        :class:`solvers.ConvergenceError` naming the time reached), ``"nan"`` (NaN
-        outputs and gradients) or ``"ignore"`` (outputs up to the time reached; later
-        ones are NaN).
+      on_failure: what to do when ``max_steps`` is exhausted, the step size underflows,
+        the state becomes non-finite (forward or backward) or traced ``ts`` are not
+        increasing: ``"raise"`` (default: a :class:`solvers.ConvergenceError` naming the
+        status and the time reached), ``"nan"`` (NaN outputs and gradients) or
+        ``"ignore"`` (outputs up to the time reached; later ones are NaN).
       full_output: also return an :class:`ODEInfo` (``converged``, ``num_steps``,
         ``num_accepted``, ``num_rejected``, ``num_fevals``, ...).
 
@@ -177,7 +184,7 @@ def odeint(
         full_output=full_output,
         max_steps=int(max_steps),
         fn=f,
-        detail=functools.partial(_detail, solver=solver),
+        message=_message(solver, int(max_steps)),
     )
 
 
@@ -225,7 +232,7 @@ def _solve(
     zs, stats = solve(y0_flat, ts, theta, const, ctl)
     stats = jax.tree.map(jax.lax.stop_gradient, stats)
     info = ODEInfo(
-        converged=stats.status == _integrate.RUNNING,
+        converged=stats.status == _status.CONVERGED,
         num_steps=stats.num_steps,
         residual=stats.ratio,
         num_accepted=stats.num_accepted,
@@ -243,24 +250,42 @@ def _solve(
         on_failure=on_failure,
         check=check,
         max_steps=max_steps,
-        detail=functools.partial(_detail, solver=solver),
+        message=_message(solver, max_steps),
     )
     return jax.vmap(unravel)(zs), info
 
 
-def _why(status, max_steps, solver):
-    if status == _integrate.MAX_STEPS:
-        hint = "" if "kvaerno5" in solver else "; the problem may be stiff: try method='kvaerno5'"
-        return f"max_steps={max_steps} steps were not enough{hint}, or increase max_steps"
-    if status == _integrate.UNDERFLOW:
+def _why(status, max_steps, solver, *, backward=False):
+    """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
+    tols = "adjoint_rtol/adjoint_atol" if backward else "rtol/atol"
+    if status == _status.MAX_STEPS:
+        why, _ = _status.explain(status, max_steps=max_steps)
+        why += " (max_steps caps the attempted steps over the whole of ts)"
+        if backward:
+            return why, f"increase max_steps or loosen {tols}"
+        if "kvaerno5" in solver:
+            return why, f"increase max_steps or loosen {tols}"
         return (
-            "the step size underflowed (the solution may blow up or be non-smooth there, or "
-            "the tolerances are too tight for the floating-point precision)"
+            why,
+            f"the problem may be stiff: try method='kvaerno5', or increase max_steps or "
+            f"loosen {tols}",
         )
-    return (
-        "the state or its derivative became non-finite (NaN or inf): the solution may blow "
-        "up there, or f returns NaN"
-    )
+    if status == _status.NONFINITE:
+        return (
+            "the state or its derivative became non-finite (NaN or inf): the solution may "
+            "blow up there, or f returns NaN or inf there",
+            "check f and the solution near that time (more steps will not help)",
+        )
+    if status == _status.STEP_UNDERFLOW:
+        why, _ = _status.explain(status)
+        return why, f"loosen {tols}, or check f near that time"
+    if status == _status.INVALID_INPUT:
+        return (
+            "`ts` must be strictly increasing and finite, and the traced output times are "
+            "not (checked at run time; nothing was integrated)",
+            "pass strictly increasing, finite ts",
+        )
+    return _status.explain(status, max_steps=max_steps)
 
 
 def _first_failure(converged):
@@ -273,17 +298,20 @@ def _first_failure(converged):
     return first, where
 
 
-def _detail(info, first, *, solver):
-    """The ODE context of a failure message: the time reached, steps, a stiffness hint."""
-    status = int(np.asarray(info.status)[first])
-    hint = ""
-    if status == _status.MAX_STEPS and "kvaerno5" not in solver:
-        hint = "; the problem may be stiff: try method='kvaerno5'"
-    return (
-        f"at t={float(np.asarray(info.t_final)[first]):.6g} after "
-        f"{int(np.asarray(info.num_steps)[first])} steps, "
-        f"{int(np.asarray(info.num_rejected)[first])} rejected{hint}"
-    )
+def _message(solver, max_steps):
+    """The runner's failure-message hooks for an ODE: its reasons, and the time reached."""
+
+    def detail(info, first):
+        t = float(np.asarray(info.t_final)[first])
+        steps = int(np.asarray(info.num_steps)[first])
+        rejected = int(np.asarray(info.num_rejected)[first])
+        ratio = float(np.asarray(info.residual)[first])
+        return (
+            f"failed at t={t:.6g} after {steps} steps, {rejected} rejected, last error ratio "
+            f"{ratio:.3g}"
+        )
+
+    return {"detail": detail, "explain": lambda code: _why(code, max_steps, solver)}
 
 
 def _report_backward(status, t_fail, *, solver, max_steps):
@@ -295,15 +323,15 @@ def _report_backward(status, t_fail, *, solver, max_steps):
 
     def check(operands):
         status, t_fail = np.asarray(operands["status"]), np.asarray(operands["t"])
-        first, where = _first_failure(status == _integrate.RUNNING)
+        first, where = _first_failure(status == _integrate.NOT_FAILED)
         code = int(status[first])
-        if code == _integrate.RUNNING:
+        if code == _integrate.NOT_FAILED:
             return
-        why = _why(code, max_steps, solver)
+        why, advice = _why(code, max_steps, solver, backward=True)
         raise _runner.ConvergenceError(
             f"{solver}: the adjoint (backward) integration failed{where} at "
-            f"t={float(t_fail[first]):.6g}: {why}. Loosen adjoint_rtol/adjoint_atol, increase "
-            "max_steps, or pass on_failure='nan'."
+            f"t={float(t_fail[first]):.6g}, status {_status.status_name(code)!r}: {why}. "
+            f"To fix: {advice}; or pass on_failure='nan'."
         )
 
-    return host_check(status == _integrate.RUNNING, check, {"status": status, "t": t_fail})
+    return host_check(status == _integrate.NOT_FAILED, check, {"status": status, "t": t_fail})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["implicit_stepper", "NEWTON_KAPPA", "NEWTON_MAX_STEPS"]
 
@@ -31,7 +32,9 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol):
 
     stages = len(tab.b)
     gamma = float(tab.gamma)
-    explicit_part = tab.a * (1 - jnp.eye(stages))  # the strictly lower triangle
+    # NumPy constants, cast to the state's dtype at trace time: a jnp array built here
+    # would carry the dtype of whatever x64 setting was on when it was first built.
+    explicit_part = np.tril(np.asarray(tab.a, np.float64), -1)  # the strictly lower triangle
 
     def stage_residual(U, base, hg, t, M):
         # The value is the stage residual; the derivative is the frozen iteration matrix

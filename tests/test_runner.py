@@ -1,0 +1,324 @@
+"""The solver runner: termination, statuses, messages and dispatch, tested directly and
+through the reproducers of the termination issue (one test each)."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import implicit
+import solvers
+from solvers import _runner, _status
+
+# --- the runner's loop, with toy methods -------------------------------------------------
+
+
+def _toy(errors, scales=None, status=None, confirmed=None):
+    """A method whose k-th state reports errors[k] (and scales[k], status[k], ...)."""
+    errors = jnp.asarray(errors, jnp.float32)
+    scales = jnp.ones_like(errors) if scales is None else jnp.asarray(scales, jnp.float32)
+    status = (jnp.full(errors.shape, _status.RUNNING, jnp.int32) if status is None
+              else jnp.asarray(status, jnp.int32))
+    confirmed = (jnp.ones(errors.shape, bool) if confirmed is None
+                 else jnp.asarray(confirmed, bool))
+
+    def terminate(k):
+        k = jnp.minimum(k, errors.shape[0] - 1)
+        return _runner.Progress(errors[k], scales[k], status[k], confirmed[k])
+
+    return _runner.Method(init=lambda x0: jnp.int32(0), step=lambda k: k + 1,
+                          terminate=terminate)
+
+
+def _run(method, max_steps=100, **kw):
+    rtol, atol = jnp.float32(1e-3), jnp.float32(0.0)
+    return _runner.iterate(method, None, rtol=rtol, atol=atol, max_steps=max_steps, **kw)
+
+
+def test_a_guess_that_passes_takes_zero_steps():
+    state, info = _run(_toy([0.0, 1.0]))
+    assert int(info.num_steps) == 0 and info.status_name == "converged" and bool(info.converged)
+
+
+def test_converges_at_the_first_state_that_passes():
+    _, info = _run(_toy([1.0, 0.5, 1e-4, 1.0]))
+    assert int(info.num_steps) == 2 and info.status_name == "converged"
+    np.testing.assert_allclose(info.residual, 1e-4)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_non_finite_error_or_scale_is_nonfinite_never_converged(bad):
+    # inf <= atol + rtol * inf would pass the plain test: the runner must not accept it.
+    _, info = _run(_toy([1.0, bad]))
+    assert info.status_name == "nonfinite" and not bool(info.converged)
+    _, info = _run(_toy([1.0, 1.0], scales=[1.0, bad]))
+    assert info.status_name == "nonfinite"
+
+
+def test_max_steps():
+    _, info = _run(_toy(np.linspace(1.0, 0.5, 200)), max_steps=10)
+    assert info.status_name == "max_steps" and int(info.num_steps) == 10
+
+
+def test_stagnation_after_a_window_without_a_new_smallest_error():
+    errors = np.r_[1.0, 0.5, np.full(200, 0.6)]  # never below 0.5 again
+    _, info = _run(_toy(errors), max_steps=500)
+    assert info.status_name == "stagnated"
+    assert int(info.num_steps) == 1 + _runner.STAGNATION_WINDOW
+
+
+def test_a_growing_error_is_not_stagnation():
+    # A divergence is left to become non-finite (or reach max_steps), not called stagnation.
+    _, info = _run(_toy(2.0 ** np.arange(100)), max_steps=90)
+    assert info.status_name == "max_steps"
+
+
+def test_stagnation_can_be_switched_off():
+    _, info = _run(_toy(np.full(200, 1.0)), max_steps=120, stagnation_window=None)
+    assert info.status_name == "max_steps"
+
+
+def test_a_method_failure_status_ends_the_solve():
+    status = [_status.RUNNING, _status.SINGULAR]
+    _, info = _run(_toy([1.0, 1e-9], status=status))
+    assert info.status_name == "singular" and int(info.num_steps) == 1
+
+
+def test_an_unconfirmed_pass_does_not_end_the_solve():
+    _, info = _run(_toy([1.0, 0.0, 0.0], confirmed=[True, False, True]))
+    assert int(info.num_steps) == 2 and info.status_name == "converged"
+
+
+def test_history():
+    _, info = _run(_toy([1.0, 0.5, 0.25, 1e-4]), max_steps=5, record_history=True)
+    np.testing.assert_allclose(info.residual_history[:3], [0.5, 0.25, 1e-4])
+    assert np.all(np.isnan(info.residual_history[3:]))
+
+
+def test_status_names():
+    assert solvers.STATUSES[0] == "converged"
+    assert solvers.status_name(0) == "converged"
+    assert list(solvers.status_name(np.array([1, 2, 6]))) == ["max_steps", "nonfinite",
+                                                              "no_sign_change"]
+
+
+# --- messages --------------------------------------------------------------------------
+
+
+def _message(code):
+    info = _runner.Info(np.bool_(False), np.int32(7), np.float32(np.nan), None, np.int32(code))
+    return _runner.failure_message(info, solver="solvers.test", max_steps=7)
+
+
+@pytest.mark.parametrize("code", range(1, len(solvers.STATUSES)))
+def test_every_status_has_its_own_message(code):
+    text = _message(code)
+    assert text.startswith("solvers.test did not converge: status '")
+    assert solvers.STATUSES[code] in text and "unknown status" not in text
+    # Only running out of steps suggests more steps.
+    assert ("increase max_steps" in text) == (code == _status.MAX_STEPS)
+
+
+def test_precision_hint_on_accelerators(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert "JAX_DEFAULT_MATMUL_PRECISION=highest" in _message(_status.STAGNATED)
+    with jax.default_matmul_precision("highest"):
+        assert "JAX_DEFAULT_MATMUL_PRECISION" not in _message(_status.STAGNATED)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert "JAX_DEFAULT_MATMUL_PRECISION" not in _message(_status.STAGNATED)
+
+
+# --- the issue's reproducers -------------------------------------------------------------
+
+
+def _double(x):
+    return 2 * x + 1
+
+
+@pytest.mark.parametrize("method", ["iterate", "anderson"])
+@pytest.mark.parametrize(
+    "f, x0",
+    [(_double, 0.0), (jnp.log, 0.0), (lambda x: 1 / x, 0.0), (jnp.exp, 0.0)],
+    ids=["2x+1", "log", "1/x", "exp"],
+)
+def test_divergence_to_inf_is_never_converged(f, x0, method):
+    x, info = solvers.fixed_point(f, x0, method=method, on_failure="ignore", full_output=True)
+    assert not bool(info.converged) and info.status_name in ("nonfinite", "stagnated")
+    with pytest.raises(solvers.ConvergenceError):
+        solvers.fixed_point(f, x0, method=method)
+    with pytest.raises(Exception, match="did not converge"):
+        jax.block_until_ready(jax.jit(lambda x0: solvers.fixed_point(f, x0, method=method))(x0))
+
+
+def _affine(x, a):
+    return a * x + 1
+
+
+def test_diverging_batch_element_is_nan_under_vmap():
+    x, info = jax.vmap(
+        lambda a: solvers.fixed_point(_affine, 0.0, a, on_failure="nan", full_output=True)
+    )(jnp.array([0.5, 2.0]))
+    np.testing.assert_allclose(x[0], 2.0, rtol=1e-4)  # 1 / (1 - a)
+    assert np.isnan(x[1]) and list(info.status_name) == ["converged", "nonfinite"]
+
+
+def _square(x):
+    return x**2
+
+
+def test_an_exact_root_is_accepted_before_any_step():
+    # The Jacobian is singular there: a Newton step would fail.
+    for method in ("newton", "chord", "broyden"):
+        x, info = solvers.root(_square, 0.0, method=method, full_output=True)
+        assert float(x) == 0.0 and int(info.num_steps) == 0 and bool(info.converged)
+
+
+def _inverse(x):
+    return 1 / x
+
+
+@pytest.mark.parametrize("method", ["bisection", "chandrupatla"])
+def test_a_pole_is_not_a_root(method):
+    solve = getattr(solvers, method)
+    x, info = solve(_inverse, -1.0, 2.0, on_failure="ignore", full_output=True)
+    assert info.status_name == "discontinuity"
+    with pytest.raises(solvers.ConvergenceError, match="discontinuity"):
+        solve(_inverse, -1.0, 2.0)
+    # A genuine root next to a pole-free bracket is fine.
+    assert bool(solve(_cube, 0.0, 10.0, 8.0, full_output=True)[1].converged)
+
+
+def _cube(x, a):
+    return x**3 - a
+
+
+def test_one_failed_element_leaves_the_other_gradients_finite():
+    a = jnp.array([8.0, 2000.0, 27.0])
+    for method in (solvers.bisection, solvers.chandrupatla):
+        g = jax.grad(lambda a: jnp.nansum(method(_cube, 0.0, 10.0, a, on_failure="nan")))(a)
+        np.testing.assert_allclose(np.asarray(g)[[0, 2]],
+                                   1 / (3 * np.array([8.0, 27.0]) ** (2 / 3)), rtol=1e-4)
+        assert np.isnan(g[1])
+
+
+def _cos_plus(x, t):
+    return jnp.cos(x) + t
+
+
+def test_ignore_gives_the_ift_gradient_at_the_returned_point():
+    # Plain iteration oscillates (f'(x*) = -sin(x*) ~ -1): truncated at 50 steps.
+    solve = lambda t: solvers.fixed_point(_cos_plus, 0.3, t, max_steps=50,  # noqa: E731
+                                          on_failure="ignore")
+    t = math.pi / 2
+    x = float(solve(t))
+    g = float(jax.grad(solve)(t))
+    # IFT at x: residual cos(x) + t - x, so dx/dt = 1 / (1 + sin x).
+    np.testing.assert_allclose(g, 1 / (1 + math.sin(x)), rtol=1e-4)
+
+
+def _tanh_layer(z, W, b):
+    return jnp.tanh(W @ z + b)
+
+
+def test_truncated_deq_gradient_is_finite_and_ift_at_the_point():
+    rng = np.random.default_rng(0)
+    W = jnp.asarray(rng.standard_normal((8, 8)) / 2, jnp.float32)  # not a contraction
+    b = jnp.asarray(rng.standard_normal(8), jnp.float32)
+
+    def loss(b):
+        z = solvers.fixed_point(_tanh_layer, jnp.zeros(8), W, b, max_steps=10,
+                                on_failure="ignore")
+        return jnp.sum(z), z
+
+    (value, z), g = jax.value_and_grad(loss, has_aux=True)(b)
+    assert np.all(np.isfinite(g))
+    # IFT at the returned z: dz/db = (I - D W)^-1 D with D = diag(1 - tanh(W z + b)^2).
+    z64, W64, b64 = (np.asarray(v, np.float64) for v in (z, W, b))
+    D = np.diag(1 - np.tanh(W64 @ z64 + b64) ** 2)
+    expected = np.linalg.solve(np.eye(8) - D @ W64, D).T @ np.ones(8)
+    np.testing.assert_allclose(g, expected, rtol=2e-3, atol=1e-4)
+
+
+def test_full_output_under_jit_raises_the_library_message():
+    run = jax.jit(lambda x0: solvers.fixed_point(_double, x0, full_output=True))
+    with pytest.raises(Exception, match="solvers.fixed_point.*status 'nonfinite'"):
+        jax.block_until_ready(run(0.0))
+
+
+def test_numpy_float64_guess_follows_jax_dtype_rules():
+    b = np.array([1.0, 2.0])
+    x = implicit.custom_root(lambda x: 2 * x - b)(lambda x0: x0 / 2)(np.array([1.0, 2.0]))
+    assert x.dtype == jnp.zeros(()).dtype
+    np.testing.assert_allclose(x, [0.5, 1.0])
+    x = solvers.fixed_point(lambda x: 0.5 * x + 1, np.array([1.0, 2.0]))
+    assert x.dtype == jnp.zeros(()).dtype
+
+
+def _halve_plus_one(x):
+    return jnp.asarray(x) * 0.5 + 1
+
+
+def test_list_guess_with_array_output_says_so():
+    with pytest.raises(ValueError, match=r"Python list of scalars.*jnp.array\(x0\)"):
+        solvers.fixed_point(_halve_plus_one, [1.0, 2.0])
+
+
+def test_wrong_number_of_arguments_names_the_function():
+    with pytest.raises(TypeError, match=r"f is called with 2 positional arguments"):
+        solvers.fixed_point(lambda x, a, b: x, 1.0, 2.0)
+    with pytest.raises(TypeError, match=r"F is called with 1 positional arguments"):
+        solvers.root(lambda x, a: x - a, 1.0)
+    with pytest.raises(TypeError, match=r"F is called with 1 positional arguments"):
+        solvers.bisection(lambda x, a: x - a, 0.0, 1.0)
+
+
+def test_broyden_stale_step_is_not_convergence():
+    # From x0 = 0.5 a Broyden step that happens to be tiny once passed the test with
+    # |F| = 33 (float32, no line search). Over a grid, every converged answer is a root.
+    a = jnp.linspace(1.0, 100.0, 40)
+    x0 = jnp.linspace(0.1, 6.0, 23)
+    A, X0 = (v.ravel() for v in jnp.meshgrid(a, x0))
+    solve = jax.jit(jax.vmap(lambda x0, a: solvers.root(
+        _cube, x0, a, method="broyden", line_search=False, on_failure="ignore",
+        full_output=True)))
+    x, info = solve(X0, A)
+    ok = np.asarray(info.converged)
+    assert ok.mean() > 0.9
+    np.testing.assert_allclose(np.asarray(x)[ok], np.cbrt(np.asarray(A))[ok], rtol=1e-4)
+    x, info = solvers.root(_cube, 0.5, 33.0, method="broyden", line_search=False,
+                           full_output=True)
+    np.testing.assert_allclose(x, 33.0 ** (1 / 3), rtol=1e-5)
+
+
+def _sqrt_update(x, a):
+    return 0.5 * (x + a / x)
+
+
+def test_forward_mode_needs_rule_jvp_and_says_so():
+    with pytest.raises(TypeError, match="rule='jvp'"):
+        jax.jacfwd(lambda a: solvers.fixed_point(_sqrt_update, a, a))(2.0)
+    g = jax.jacfwd(lambda a: solvers.fixed_point(_sqrt_update, a, a, rule="jvp"))(2.0)
+    np.testing.assert_allclose(g, 1 / (2 * math.sqrt(2.0)), rtol=1e-5)
+    with pytest.raises(TypeError, match="reverse mode only"):
+        jax.jacfwd(lambda y0: solvers.odeint(lambda y, t: -y, y0, jnp.array([0.0, 1.0])))(1.0)
+
+
+def test_a_fresh_function_per_call_warns_once():
+    def newton_sqrt(a):
+        return solvers.fixed_point(lambda x, a: 0.5 * (x + a / x), a, a)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for a in (2.0, 3.0, 4.0, 5.0, 6.0):
+            newton_sqrt(a)
+    recompiles = [w for w in caught if "compiled again" in str(w.message)]
+    assert len(recompiles) == 1 and "test_runner.py" in str(recompiles[0].message)
+    # The same function object is compiled once and never warned about.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for a in (2.0, 3.0, 4.0, 5.0):
+            solvers.fixed_point(_sqrt_update, a, a)
+    assert not [w for w in caught if "compiled again" in str(w.message)]
