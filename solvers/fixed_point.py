@@ -59,12 +59,16 @@ def fixed_point(
         (default) takes ``"neumann"`` for undamped ``method="iterate"`` with
         ``rule="vjp"`` — the adjoint iteration then converges exactly as fast as the
         forward one did, with one VJP per step and no Krylov overhead — and otherwise
-        ``"dense"`` up to ``DENSE_MAX_SIZE`` unknowns, ``"gmres"`` above. A backward
+        (also with ``on_failure="ignore"``, whose returned point may be a truncated
+        iterate where the Neumann series need not converge) ``"dense"`` up to
+        ``DENSE_MAX_SIZE`` (64) unknowns, ``"gmres"`` above. A backward
         solve that misses its tolerance follows ``on_failure`` (never a silently wrong
         gradient).
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info` with ``converged``,
-        ``num_steps``, ``residual`` and ``residual_history``.
+        ``num_steps`` (0 when the guess passes the test), ``residual``,
+        ``residual_history`` and ``status`` (``converged``, ``max_steps``, ``nonfinite``
+        or ``stagnated``; see :data:`solvers.STATUSES`).
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
