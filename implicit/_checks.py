@@ -221,18 +221,6 @@ def check_args(args, name: str = "args"):
         )
 
 
-def check_common_options(
-    *, rtol, atol, max_steps, rule, linear_solver, on_failure, extra_linear_solvers=()
-):
-    """The options every fixed-point and root solver shares (SPEC 'Options')."""
-    check_positive(rtol, "rtol")
-    check_positive(atol, "atol")
-    check_max_steps(max_steps)
-    check_choice(rule, "rule", RULES)
-    check_linear_solver(linear_solver, rule, extra_linear_solvers)
-    check_choice(on_failure, "on_failure", ON_FAILURE)
-
-
 def as_floating_array(value, name: str):
     """One floating array (not a pytree): ints and bools are promoted, as in :func:`as_floating`."""
     if isinstance(value, (list, tuple, dict)) or (

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from implicit import custom_root
+from implicit import _checks, custom_root
 from implicit._host import host_check
 from solvers import _status
 
@@ -42,6 +42,7 @@ __all__ = [
     "ConvergenceError",
     "Info",
     "Method",
+    "Options",
     "Progress",
     "STAGNATION_WINDOW",
     "apply_failure_policy",
@@ -50,6 +51,7 @@ __all__ = [
     "iterate",
     "jit_solver",
     "max_norm",
+    "options",
     "solve",
 ]
 
@@ -282,47 +284,78 @@ def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, messa
 # --- the implicit rule and the policy, attached once ------------------------------------
 
 
-def solve(
-    residual,
-    body,
-    x0,
-    args,
-    *,
-    rtol,
-    rule,
-    linear_solver,
-    on_failure,
-    check,
-    max_steps,
-    solver,
-):
+def solve(residual, body, x0, args, *, rtol, options, check, solver):
     """Run ``body(x0, args) -> (x, Info)`` with implicit derivatives and ``on_failure``.
 
     ``residual(x, *args) == 0`` at the solution gives the derivatives (the iterations in
-    ``body`` are never differentiated); the adjoint linear solve uses ``linear_solver``
-    at ``ADJOINT_RTOL_FACTOR * rtol`` with ``max_steps`` and follows ``on_failure`` too.
+    ``body`` are never differentiated); the adjoint linear solve uses
+    ``options.linear_solver`` at ``ADJOINT_RTOL_FACTOR * rtol`` with ``options.max_steps``
+    and follows ``options.on_failure`` too.
     """
 
     @custom_root(
         residual,
-        linear_solver=linear_solver,
+        linear_solver=options.linear_solver,
         has_aux=True,
-        rule=rule,
+        rule=options.rule,
         rtol=ADJOINT_RTOL_FACTOR * rtol,
-        max_steps=max_steps,
-        on_failure=on_failure,
+        max_steps=options.max_steps,
+        on_failure=options.on_failure,
     )
     def implicit_solve(x0, *args):
         x, info = body(x0, args)
         x = apply_failure_policy(
-            x, info, solver=solver, on_failure=on_failure, check=check, max_steps=max_steps
+            x, info, solver=solver, on_failure=options.on_failure, check=check,
+            max_steps=options.max_steps,
         )
         return x, info
 
     return implicit_solve(x0, *args)
 
 
-# --- dispatch: compile once, raise eagerly, explain --------------------------------------
+# --- options and dispatch: validate, compile once, raise eagerly, explain --------------
+
+
+class Options(NamedTuple):
+    """The options every solver shares (SPEC 'Options'), validated by :func:`options`.
+
+    ``rule`` and ``linear_solver`` are ``None`` for a solver without an implicit rule
+    (``odeint`` differentiates by its adjoint).
+    """
+
+    rtol: Any
+    atol: Any
+    max_steps: int
+    on_failure: str
+    full_output: bool
+    rule: Any = None
+    linear_solver: Any = None
+
+
+def options(
+    fn,
+    fn_name,
+    *,
+    rtol,
+    atol,
+    max_steps,
+    on_failure,
+    full_output,
+    rule=None,
+    linear_solver=None,
+    extra_linear_solvers=("auto",),
+):
+    """Check the user's function and the common options; return them as :class:`Options`."""
+    _checks.check_callable(fn, fn_name)
+    _checks.check_positive(rtol, "rtol")
+    _checks.check_positive(atol, "atol")
+    max_steps = _checks.check_max_steps(max_steps)
+    _checks.check_choice(on_failure, "on_failure", _checks.ON_FAILURE)
+    if rule is not None:
+        _checks.check_choice(rule, "rule", _checks.RULES)
+        _checks.check_linear_solver(linear_solver, rule, extra_linear_solvers)
+    return Options(rtol, atol, max_steps, on_failure, bool(full_output), rule, linear_solver)
+
 
 
 def jit_solver(impl):
@@ -391,24 +424,25 @@ def _watch_recompiles(fn, solver):
         )
 
 
-def dispatch(
-    jitted, *args, solver, on_failure, full_output, max_steps, fn=None, message=None, **static
-):
+def dispatch(jitted, *args, solver, options, fn=None, message=None, **static):
     """Call a solver's jitted implementation and apply the eager failure check.
 
-    ``jitted(*args, check=..., solver=..., on_failure=..., max_steps=..., **static)``
-    must return ``(x, info)``; ``fn`` is the user's function (watched for recompiles);
+    ``jitted(*args, check=, solver=, options=, **static)`` must return ``(x, info)``; it
+    receives ``options`` (an :class:`Options`) with the tolerances blanked (they are
+    among ``args``, traced); ``fn`` is the user's function (watched for recompiles);
     ``message``: the ``detail``/``explain`` hooks of :func:`failure_message`.
     """
+    on_failure, max_steps, full_output = (
+        options.on_failure, options.max_steps, options.full_output
+    )
+    # Static (hashable): the tolerances are traced arguments of their own.
+    static["options"] = options._replace(rtol=None, atol=None)
     check = "callback" if _under_transformation(args) else "host"
     if fn is not None and check == "host":
         _watch_recompiles(fn, solver)
 
     def call(check):
-        return jitted(
-            *args, check=check, solver=solver, on_failure=on_failure, max_steps=max_steps,
-            **static,
-        )
+        return jitted(*args, check=check, solver=solver, **static)
 
     try:
         x, info = call(check)
@@ -423,7 +457,7 @@ def dispatch(
         hint = (
             "pass rule='jvp' (with a linear linear_solver such as 'gmres' or 'dense') "
             "for forward mode (jax.jvp, jax.jacfwd, jax.hessian)"
-            if "rule" in static
+            if options.rule is not None
             else "it is differentiated in reverse mode only (jax.grad, jax.vjp, jax.jacrev)"
         )
         raise TypeError(f"{solver}: forward-mode differentiation needs a forward rule: "

@@ -161,18 +161,12 @@ def _bracketed(
     on_failure,
     full_output,
 ):
-    _checks.check_callable(F, "F")
-    _checks.check_common_options(
-        rtol=rtol,
-        atol=atol,
-        max_steps=max_steps,
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        extra_linear_solvers=("auto",),
+    opts = _runner.options(
+        F, "F", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
+        full_output=full_output, rule=rule, linear_solver=linear_solver,
     )
     if linear_solver == "auto":
-        linear_solver = "diagonal"
+        opts = opts._replace(linear_solver="diagonal")
     _checks.check_args(args)
     lower = _checks.as_floating_array(lower, "lower")
     upper = _checks.as_floating_array(upper, "upper")
@@ -183,16 +177,11 @@ def _bracketed(
         upper.astype(dtype),
         args,
         *_checks.tolerances(rtol, atol, dtype),
+        options=opts,
         F=F,
         fn=F,
         method=method,
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        record_history=bool(full_output),
         solver=f"solvers.{method}",
-        full_output=full_output,
-        max_steps=int(max_steps),
     )
 
 
@@ -206,13 +195,9 @@ def _solve(
     *,
     F,
     method,
-    rule,
-    linear_solver,
-    on_failure,
-    record_history,
+    options,
     solver,
     check,
-    max_steps,
 ):
     # The problems' shape: the bracket's, broadcast with what F makes of the parameters.
     try:
@@ -250,8 +235,8 @@ def _solve(
                 (lower, upper),
                 rtol=zero,
                 atol=zero,
-                max_steps=max_steps,
-                record_history=record_history,
+                max_steps=options.max_steps,
+                record_history=options.full_output,
             )
             x, residual = finish(state)
             return x, residual, _final_status(state), info.num_steps, info.residual_history
@@ -269,10 +254,8 @@ def _solve(
         )
         return x, info
 
-    return _runner.solve(
-        F, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
-        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
-    )
+    return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
+                         solver=solver)
 
 
 def _chunked(shape):

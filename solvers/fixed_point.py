@@ -59,12 +59,16 @@ def fixed_point(
         (default) takes ``"neumann"`` for undamped ``method="iterate"`` with
         ``rule="vjp"`` — the adjoint iteration then converges exactly as fast as the
         forward one did, with one VJP per step and no Krylov overhead — and otherwise
-        ``"dense"`` up to ``DENSE_MAX_SIZE`` unknowns, ``"gmres"`` above. A backward
+        (also with ``on_failure="ignore"``, whose returned point may be a truncated
+        iterate where the Neumann series need not converge) ``"dense"`` up to
+        ``DENSE_MAX_SIZE`` (64) unknowns, ``"gmres"`` above. A backward
         solve that misses its tolerance follows ``on_failure`` (never a silently wrong
         gradient).
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info` with ``converged``,
-        ``num_steps``, ``residual`` and ``residual_history``.
+        ``num_steps`` (0 when the guess passes the test), ``residual``,
+        ``residual_history`` and ``status`` (``converged``, ``max_steps``, ``nonfinite``
+        or ``stagnated``; see :data:`solvers.STATUSES`).
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -75,17 +79,11 @@ def fixed_point(
       >>> print(newton_sqrt(2.0), jax.grad(newton_sqrt)(2.0))
       1.4142135 0.35355338
     """
-    _checks.check_callable(f, "f")
-    _checks.check_choice(method, "method", METHODS)
-    _checks.check_common_options(
-        rtol=rtol,
-        atol=atol,
-        max_steps=max_steps,
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        extra_linear_solvers=("auto",),
+    opts = _runner.options(
+        f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
+        full_output=full_output, rule=rule, linear_solver=linear_solver,
     )
+    _checks.check_choice(method, "method", METHODS)
     _checks.check_positive(damping, "damping", allow_none=False)
     if _checks._is_concrete(damping) and float(damping) > 1:
         raise ValueError(f"`damping` must be in (0, 1], got {damping}")
@@ -94,26 +92,23 @@ def fixed_point(
     _checks.check_args(args)
     x0 = _checks.as_floating(x0, "x0")
     if linear_solver == "auto":
-        linear_solver = _auto_linear_solver(method, damping, rule, on_failure, x0)
+        opts = opts._replace(
+            linear_solver=_auto_linear_solver(method, damping, rule, on_failure, x0)
+        )
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     return _runner.dispatch(
         _solve,
         x0,
         args,
-        *_checks.tolerances(rtol, atol, dtype),
         _checks.as_scalar(damping, dtype),
         _checks.as_scalar(regularization, dtype),
+        *_checks.tolerances(rtol, atol, dtype),
+        options=opts,
         f=f,
         fn=f,
         method=method,
         history_size=int(history_size),
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        record_history=bool(full_output),
         solver=f"solvers.fixed_point(method={method!r})",
-        full_output=full_output,
-        max_steps=int(max_steps),
     )
 
 
@@ -136,21 +131,17 @@ def _auto_linear_solver(method, damping, rule, on_failure, x0):
 def _solve(
     x0,
     args,
-    rtol,
-    atol,
     damping,
     regularization,
+    rtol,
+    atol,
     *,
     f,
     method,
     history_size,
-    rule,
-    linear_solver,
-    on_failure,
-    record_history,
+    options,
     solver,
     check,
-    max_steps,
 ):
     _checks.check_like(_checks.call_shape(f, "f", x0, *args), x0, "f(x0, *args)", "x0")
     make = _iterate_method if method == "iterate" else _anderson_method
@@ -163,8 +154,8 @@ def _solve(
             x0,
             rtol=rtol,
             atol=atol,
-            max_steps=max_steps,
-            record_history=record_history,
+            max_steps=options.max_steps,
+            record_history=options.full_output,
         )
         # The solution is one more (free) step from the last tested iterate x: f(x) is
         # already known, and the step lands closer to the fixed point than x.
@@ -173,10 +164,8 @@ def _solve(
     def residual(x, *args):
         return jax.tree.map(jnp.subtract, f(x, *args), x)
 
-    return _runner.solve(
-        residual, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
-        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
-    )
+    return _runner.solve(residual, body, x0, args, rtol=rtol, options=options, check=check,
+                         solver=solver)
 
 
 def _sub(a, b):

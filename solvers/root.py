@@ -104,7 +104,10 @@ def root(
       >>> print(solvers.root(F, 1.0, 8.0), jax.grad(lambda a: solvers.root(F, 1.0, a))(8.0))
       2.0 0.083333336
     """
-    _checks.check_callable(F, "F")
+    opts = _runner.options(
+        F, "F", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
+        full_output=full_output, rule=rule, linear_solver=linear_solver,
+    )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_choice(jacobian, "jacobian", JACOBIANS)
     if not isinstance(line_search, bool):
@@ -112,39 +115,25 @@ def root(
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_args(args)
     x0 = _checks.as_floating(x0, "x0")
-    _checks.check_common_options(
-        rtol=rtol,
-        atol=atol,
-        max_steps=max_steps,
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        extra_linear_solvers=("auto",),
-    )
     size = sum(leaf.size for leaf in jax.tree.leaves(x0))
     if jacobian == "auto":
         jacobian = "dense" if size <= DENSE_MAX_SIZE else "matfree"
     if linear_solver == "auto":
-        linear_solver = "dense" if jacobian == "dense" else "gmres"
+        opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     return _runner.dispatch(
         _solve,
         x0,
         args,
         *_checks.tolerances(rtol, atol, dtype),
+        options=opts,
         F=F,
         fn=F,
         method=method,
         jacobian=jacobian,
         line_search=line_search,
         history_size=int(history_size),
-        rule=rule,
-        linear_solver=linear_solver,
-        on_failure=on_failure,
-        record_history=bool(full_output),
         solver=f"solvers.root(method={method!r})",
-        full_output=full_output,
-        max_steps=int(max_steps),
     )
 
 
@@ -175,13 +164,9 @@ def _solve(
     jacobian,
     line_search,
     history_size,
-    rule,
-    linear_solver,
-    on_failure,
-    record_history,
+    options,
     solver,
     check,
-    max_steps,
 ):
     _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
 
@@ -197,15 +182,13 @@ def _solve(
             x0_flat,
             rtol=rtol,
             atol=atol,
-            max_steps=max_steps,
-            record_history=record_history,
+            max_steps=options.max_steps,
+            record_history=options.full_output,
         )
         return unravel(state.x), info._replace(residual=jnp.max(jnp.abs(state.fx)))
 
-    return _runner.solve(
-        F, body, x0, args, rtol=rtol, rule=rule, linear_solver=linear_solver,
-        on_failure=on_failure, check=check, max_steps=max_steps, solver=solver,
-    )
+    return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
+                         solver=solver)
 
 
 class _State(NamedTuple):

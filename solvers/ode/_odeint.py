@@ -140,22 +140,21 @@ def odeint(
       >>> print(round(float(grad), 5))  # d/dk exp(-2k) = -2 exp(-1)
       -0.73576
     """
-    _checks.check_callable(f, "f")
+    opts = _runner.options(
+        f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
+        full_output=full_output,
+    )
     _checks.check_choice(method, "method", METHODS)
     for name, value in (
-        ("rtol", rtol),
-        ("atol", atol),
         ("adjoint_rtol", adjoint_rtol),
         ("adjoint_atol", adjoint_atol),
         ("first_step", first_step),
     ):
         _checks.check_positive(value, name)
-    _checks.check_max_steps(max_steps)
     if adjoint is None:
         adjoint = "interpolate" if method in STIFF_METHODS else "backsolve"
     _checks.check_choice(adjoint, "adjoint", ADJOINTS)
     _checks.check_max_steps(adjoint_window, "adjoint_window")
-    _checks.check_choice(on_failure, "on_failure", _checks.ON_FAILURE)
     _checks.check_args(args)
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
@@ -179,12 +178,10 @@ def odeint(
         method=method,
         adjoint=adjoint,
         window=int(adjoint_window),
-        on_failure=on_failure,
+        options=opts,
         solver=solver,
-        full_output=full_output,
-        max_steps=int(max_steps),
         fn=f,
-        message=_message(solver, int(max_steps)),
+        message=_message(solver, opts.max_steps),
     )
 
 
@@ -198,10 +195,9 @@ def _make_stepper(method):
 
 
 @_runner.jit_solver
-def _solve(
-    y0, ts, args, tols, *, f, method, adjoint, window, on_failure, solver, check, max_steps
-):
-    out = jax.eval_shape(f, y0, ts[0], *args)
+def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, check):
+    on_failure, max_steps = options.on_failure, options.max_steps
+    out = _checks.call_shape(f, "f", y0, ts[0], *args)
     _checks.check_like(out, y0, "f(y0, t, *args)", "y0")
     fn, consts = jax.closure_convert(f, y0, ts[0], *args)
     y0_flat, unravel = ravel_pytree(y0)
