@@ -115,11 +115,17 @@ class Progress(NamedTuple):
 
 
 class Method(NamedTuple):
-    """An iterative method, as the runner sees it (see the module docstring)."""
+    """An iterative method, as the runner sees it (see the module docstring).
+
+    ``warmup=True``: ``init`` does not evaluate the function (so that it is traced and
+    run once per step, inside the loop) and the first ``step`` only evaluates the guess;
+    the runner then allows ``max_steps`` steps after it and does not count it.
+    """
 
     init: Callable  # x0 -> state
     step: Callable  # state -> state
     terminate: Callable  # state -> Progress
+    warmup: bool = False
 
 
 def max_norm(tree):
@@ -172,9 +178,11 @@ def iterate(
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
     zero = jnp.zeros((), jnp.int32)
 
+    trips = max_steps + int(method.warmup)
+
     def cond(carry):
         _, k, status, *_ = carry
-        return (status == _status.RUNNING) & (k < max_steps)
+        return (status == _status.RUNNING) & (k < trips)
 
     def body(carry):
         state, k, _, _, best, since, history = carry
@@ -189,8 +197,9 @@ def iterate(
                 & (merit <= STAGNATION_BAND * best)
             )
             status = jnp.where(stuck, _status.STAGNATED, status)
-        if record_history:
-            history = history.at[k].set(error)
+        if record_history:  # (the warm-up trip tests the guess: no step to record)
+            i = k - int(method.warmup)
+            history = history.at[jnp.maximum(i, 0)].set(jnp.where(i >= 0, error, history[0]))
         return state, k + 1, status, error, jnp.minimum(best, merit), since, history
 
     init = (state, zero, status, error, merit, zero, history)
@@ -198,7 +207,7 @@ def iterate(
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
         converged=status == _status.CONVERGED,
-        num_steps=k,
+        num_steps=jnp.maximum(k - int(method.warmup), 0),
         residual=error,
         residual_history=history if record_history else None,
         status=status,

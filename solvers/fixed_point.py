@@ -172,24 +172,37 @@ def _sub(a, b):
     return jax.tree.map(jnp.subtract, a, b)
 
 
-def _progress(x, fx):
-    return _runner.Progress(_runner.max_norm(_sub(fx, x)), _runner.max_norm(fx))
+def _progress(state):
+    x, fx, evaluated = state[:3]
+    # Before the first evaluation the error is unknown: large, and not a pass.
+    error = jnp.where(evaluated, _runner.max_norm(_sub(fx, x)), jnp.finfo(jnp.result_type(
+        *jax.tree.leaves(x))).max)
+    return _runner.Progress(error, _runner.max_norm(fx), confirmed=evaluated)
+
+
+def _placeholder(x0):
+    return jax.tree.map(jnp.zeros_like, x0)
 
 
 def _iterate_method(fn, damping, regularization, history_size):
-    """Plain (damped) iteration ``x <- x + damping (f(x) - x)``; state ``(x, f(x))``."""
+    """Plain (damped) iteration ``x <- x + damping (f(x) - x)``.
+
+    State ``(x, f(x), evaluated)``; the first step evaluates ``f`` at the guess (the
+    runner's warm-up), so ``f`` appears once in the program.
+    """
     del regularization, history_size
 
     def next_iterate(state):
-        x, fx = state
+        x, fx, _ = state
         return jax.tree.map(lambda xi, fi: xi + damping * (fi - xi), x, fx)
 
     def step(state):
-        x = next_iterate(state)
-        return x, fn(x)
+        x = jax.tree.map(lambda n, o: jnp.where(state[2], n, o), next_iterate(state), state[0])
+        return x, fn(x), jnp.bool_(True)
 
     method = _runner.Method(
-        init=lambda x0: (x0, fn(x0)), step=step, terminate=lambda s: _progress(*s)
+        init=lambda x0: (x0, _placeholder(x0), jnp.bool_(False)), step=step,
+        terminate=_progress, warmup=True,
     )
     return method, next_iterate
 
@@ -197,18 +210,19 @@ def _iterate_method(fn, damping, regularization, history_size):
 def _anderson_method(fn, damping, regularization, history_size):
     """Anderson acceleration (type II) over the last ``history_size`` iterates.
 
-    State ``(x, f(x), xs, gs, k)``: the iterate, its image, the ring buffers of past
-    iterates and residuals ``g = f(x) - x``, and the number of steps taken.
+    State ``(x, f(x), evaluated, xs, gs, k)``: the iterate, its image, whether it has
+    been evaluated (the first step evaluates the guess), the ring buffers of past
+    iterates and residuals ``g = f(x) - x``, and the number of mixing steps taken.
     """
 
     def init(x0):
         flat = ravel_pytree(x0)[0]
         zeros = jnp.zeros((history_size, flat.size), flat.dtype)
-        return (x0, fn(x0), zeros, zeros, jnp.int32(0))
+        return (x0, _placeholder(x0), jnp.bool_(False), zeros, zeros, jnp.int32(0))
 
     def mix(state):
         """The next iterate from the history and ``(x, f(x))``, and the new history."""
-        x, fx, xs, gs, k = state
+        x, fx, _, xs, gs, k = state
         x_flat, unravel = ravel_pytree(x)
         g = ravel_pytree(fx)[0] - x_flat
         m = xs.shape[0]
@@ -230,8 +244,12 @@ def _anderson_method(fn, damping, regularization, history_size):
         return unravel(x_new), xs, gs
 
     def step(state):
-        x_new, xs, gs = mix(state)
-        return (x_new, fn(x_new), xs, gs, state[4] + 1)
+        x, _, evaluated, xs, gs, k = state
+        x_new, xs_new, gs_new = mix(state)
+        keep = lambda n, o: jnp.where(evaluated, n, o)  # noqa: E731 - the guess: no mixing
+        x = jax.tree.map(keep, x_new, x)
+        return (x, fn(x), jnp.bool_(True), keep(xs_new, xs), keep(gs_new, gs),
+                k + evaluated.astype(jnp.int32))
 
-    method = _runner.Method(init=init, step=step, terminate=lambda s: _progress(s[0], s[1]))
+    method = _runner.Method(init=init, step=step, terminate=_progress, warmup=True)
     return method, lambda state: mix(state)[0]

@@ -64,8 +64,10 @@ def root(
     interpolation) until ``|F|`` decreases enough. The solve stops when the estimated
     error of ``x + d`` is small: ``max|d| <= atol + rtol * max|x|``, where ``|d|`` is
     scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``;
-    chord and Broyden confirm it with a fresh Jacobian (a step from a stale approximation
-    can be small by chance). A guess with ``F(x0) == 0`` is returned after zero steps.
+    a small step from chord's or Broyden's stale Jacobian counts only if ``|F|`` at least
+    halved over it (else the Jacobian is refreshed to decide: a stale approximation can
+    give a tiny step far from a root). A guess with ``F(x0) == 0`` is returned after zero
+    steps.
     Gradients with respect to ``args`` and to traced values ``F`` closes over are
     ``-(∂F/∂x)⁻¹ ∂F/∂θ`` (one adjoint linear solve with ``linear_solver``); the
     iterations are never differentiated.
@@ -185,7 +187,14 @@ def _solve(
             max_steps=options.max_steps,
             record_history=options.full_output,
         )
-        return unravel(state.x), info._replace(residual=jnp.max(jnp.abs(state.fx)))
+        # A guess that is an exact root comes back unchanged after its zero-length step:
+        # no step was taken.
+        untouched = info.converged & jnp.all(state.x == x0_flat)
+        info = info._replace(
+            residual=jnp.max(jnp.abs(state.fx)),
+            num_steps=jnp.where(untouched, 0, info.num_steps),
+        )
+        return unravel(state.x), info
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
                          solver=solver)
@@ -197,7 +206,7 @@ class _State(NamedTuple):
     status: Any  # RUNNING, or a failure status
     error: Any  # estimated error of x (the last step's length, scaled)
     scale: Any  # max|x|
-    fresh: Any  # whether that step came from a Jacobian evaluated at its start
+    confirmed: Any  # whether that step can end the solve (see _method's step)
     full_step: Any  # max|d| of the previous step if it was a full one (t = 1), else 0
     eta: Any  # matrix-free Newton: (previous forcing term, previous |F|); else None
     quasi: Any  # chord/Broyden: their own state (see _chord, _broyden); Newton: None
@@ -235,11 +244,13 @@ class _Linear(NamedTuple):
     jacobian: str  # "dense" or "matfree"
     eta_min: Any  # tightest GMRES forcing term
 
-    def factor(self, x):
-        """``J(x)`` in the form :meth:`apply_inverse` takes (LU factors, or the point)."""
+    def value_and_factor(self, x):
+        """``F(x)`` and ``J(x)`` in the form :meth:`apply_inverse` takes (LU factors, or
+        the point), from one forward-mode pass where ``J`` is dense."""
         if self.jacobian == "dense":
-            return _lu_factor(jax.jacfwd(self.fn)(x))
-        return x
+            jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(self.fn(v)), has_aux=True)(x)
+            return fx, _lu_factor(jac)
+        return self.fn(x), x
 
     def apply_inverse(self, factors, v):
         """``J⁻¹ v`` for the Jacobian :meth:`factor` returned."""
@@ -259,10 +270,11 @@ def _newton(ops, history_size):
     del history_size
 
     def direction(state):
-        x, fx = state.x, state.fx
+        x = state.x
         if ops.jacobian == "dense":
-            return -_lu_solve(ops.factor(x), fx), jnp.bool_(True), state.eta, None
-        _, matvec = jax.linearize(ops.fn, x)
+            fx, factors = ops.value_and_factor(x)
+            return fx, -_lu_solve(factors, fx), jnp.bool_(True), state.eta, None
+        fx, matvec = jax.linearize(ops.fn, x)
         # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
         eta_prev, fnorm_prev = state.eta
         fnorm = _norm(fx)
@@ -270,7 +282,7 @@ def _newton(ops, history_size):
         safeguard = 0.9 * eta_prev**2
         new = jnp.where(safeguard > 0.1, jnp.maximum(new, safeguard), new)
         new = jnp.where(fnorm_prev > 0, jnp.clip(new, ops.eta_min, _ETA_MAX), _ETA_MAX)
-        return -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
+        return fx, -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
 
     def update(state, quasi, x, fx, d, moved, small):
         return None
@@ -288,21 +300,22 @@ class _Quasi(NamedTuple):
 
 
 def _quasi_direction(ops):
-    """Reuse the kept direction, or refresh the Jacobian and compute a Newton direction."""
+    """Reuse the kept direction, or refresh the Jacobian and compute a Newton direction
+    (the first step always refreshes: it evaluates ``F`` at the guess with ``J``)."""
 
     def direction(state):
         q = state.quasi
 
         def refreshed(_):
-            factors = ops.factor(state.x)
-            d = -ops.apply_inverse(factors, state.fx)
-            return d, factors, jnp.zeros_like(q.s), jnp.zeros_like(q.u), jnp.int32(0)
+            fx, factors = ops.value_and_factor(state.x)
+            d = -ops.apply_inverse(factors, fx)
+            return fx, d, factors, jnp.zeros_like(q.s), jnp.zeros_like(q.u), jnp.int32(0)
 
         def kept(_):
-            return q.d, q.factors, q.s, q.u, q.k
+            return state.fx, q.d, q.factors, q.s, q.u, q.k
 
-        d, factors, s, u, k = jax.lax.cond(q.refresh, refreshed, kept, None)
-        return d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
+        fx, d, factors, s, u, k = jax.lax.cond(q.refresh, refreshed, kept, None)
+        return fx, d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
 
     return direction
 
@@ -364,22 +377,23 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
     big = jnp.finfo(dtype).max
 
     def init(x0):
-        fx = fn(x0)
-        root = jnp.all(fx == 0)  # an exact root is accepted before any step
+        # F(x0) comes with the first Jacobian (one evaluation and one trace of F fewer):
+        # until then the error is unknown.
         eta = (jnp.asarray(_ETA_MAX, dtype), jnp.zeros((), dtype))
-        state = _State(
-            x0, fx, jnp.int32(_status.RUNNING), jnp.where(root, 0.0, big).astype(dtype),
-            jnp.max(jnp.abs(x0)), root, jnp.zeros((), dtype),
-            eta if ops.jacobian == "matfree" else None, init_quasi(x0),
+        zero = jnp.zeros((), dtype)
+        return _State(
+            x0, jnp.zeros_like(x0), jnp.int32(_status.RUNNING), zero + big, zero,
+            jnp.bool_(False), zero, eta if ops.jacobian == "matfree" else None,
+            init_quasi(x0),
         )
-        return state
 
     def step(state):
-        x, fx = state.x, state.fx
-        d, fresh, eta, quasi = direction(state)
+        x = state.x
+        fx, d, fresh, eta, quasi = direction(state)
+        f_max = jnp.max(jnp.abs(fx))  # NaN if any entry is (max propagates NaN)
+        f_ok = jnp.isfinite(f_max)
         # At an exact root the step is zero, whatever the Jacobian there.
-        d = jnp.where(jnp.all(fx == 0), 0.0, d)
-        f_ok = jnp.isfinite(jnp.max(jnp.abs(fx)))  # max propagates NaN
+        d = jnp.where(f_max == 0, 0.0, d)
         step_size = jnp.max(jnp.abs(d))
         d_ok = jnp.isfinite(step_size)
         # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
@@ -410,19 +424,23 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         # A failure with a stale Jacobian (chord, Broyden) only asks for a fresh one at
         # the next step: its error is unknown (large), not a failure.
         error = jnp.where(d_ok, error, big).astype(dtype)
+        # A small step ends the solve only if it can be trusted: from a fresh Jacobian,
+        # or one over which |F| at least halved (a stale approximation can give a tiny
+        # step far from a root; then the residual has not moved, and the Jacobian is
+        # refreshed to decide).
+        confirmed = fresh | (_norm(f_next) <= 0.5 * _norm(fx)) | (f_max == 0)
         if quasi is not None:
-            quasi = update(state, quasi, x_next, f_next, d, moved, small & ~fresh)
+            quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved,
+                           small & ~confirmed)
         return state._replace(
             x=x_next, fx=f_next, status=status, error=error,
-            scale=jnp.where(d_ok, scale, 0.0).astype(dtype), fresh=fresh,
+            scale=jnp.where(d_ok, scale, 0.0).astype(dtype), confirmed=confirmed,
             full_step=full_step, eta=eta, quasi=quasi,
         )
 
     def terminate(state):
-        return _runner.Progress(
-            state.error, state.scale, state.status, confirmed=state.fresh,
-            merit=jnp.max(jnp.abs(state.fx)),
-        )
+        return _runner.Progress(state.error, state.scale, state.status,
+                                confirmed=state.confirmed)
 
     return _runner.Method(init, step, terminate)
 
