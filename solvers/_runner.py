@@ -188,9 +188,9 @@ def iterate(
         state, k, _, _, best, since, history = carry
         state = method.step(state)
         status, error, merit = _judge(method.terminate(state), rtol, atol, dtype)
-        improved = merit < best
-        since = jnp.where(improved, 0, since + 1)
         if stagnation_window is not None:
+            since = jnp.where(merit < best, 0, since + 1)
+            best = jnp.minimum(best, merit)
             stuck = (
                 (status == _status.RUNNING)
                 & (since >= stagnation_window)
@@ -200,7 +200,7 @@ def iterate(
         if record_history:  # (the warm-up trip tests the guess: no step to record)
             i = k - int(method.warmup)
             history = history.at[jnp.maximum(i, 0)].set(jnp.where(i >= 0, error, history[0]))
-        return state, k + 1, status, error, jnp.minimum(best, merit), since, history
+        return state, k + 1, status, error, best, since, history
 
     init = (state, zero, status, error, merit, zero, history)
     state, k, status, error, _, _, history = jax.lax.while_loop(cond, body, init)

@@ -230,6 +230,7 @@ def _solve(
                 # Done when no element is still refining: the widest active bracket is 0.
                 terminate=lambda state: _runner.Progress(_error(state), zero),
             )
+            # (No stagnation test: every step shrinks every active bracket.)
             state, info = _runner.iterate(
                 method,
                 (lower, upper),
@@ -237,6 +238,7 @@ def _solve(
                 atol=zero,
                 max_steps=options.max_steps,
                 record_history=options.full_output,
+                stagnation_window=None,
             )
             x, residual = finish(state)
             return x, residual, _final_status(state), info.num_steps, info.residual_history
@@ -342,7 +344,8 @@ def _next_flag(flag, active, f, converged):
 def _error(state):
     """The widest bracket still being refined (0 once every element is done)."""
     active = state.flag == _status.RUNNING
-    return jnp.max(jnp.where(active, state.width, 0.0), initial=0.0)
+    width = jnp.abs(state[2] - state[0])  # both states start with (lo, f_lo, hi, ...)
+    return jnp.max(jnp.where(active, width, 0.0), initial=0.0)
 
 
 def _final_status(state):
@@ -367,10 +370,9 @@ def _final_status(state):
 
 class _Bisection(NamedTuple):
     a: Any  # F(a) <= 0 <= F(b) (the ends are swapped at the start if need be)
-    b: Any
     f_lo: Any  # F(a)
+    b: Any
     f_hi: Any  # F(b)
-    width: Any  # |b - a|
     f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the midpoint, evaluated
     fx: Any
@@ -394,12 +396,12 @@ def _bisection_init(fn, lower, upper):
     a, b = jnp.where(converged, root, a), jnp.where(converged, root, b)
     f_lo, f_hi = (jnp.where(converged, 0.0, v).astype(fa.dtype) for v in (f_lo, f_hi))
     f_start = jnp.maximum(jnp.abs(fa), jnp.abs(fb))
-    return _Bisection(a, b, f_lo, f_hi, jnp.abs(b - a), f_start, *_midpoint(fn, a, b), flag)
+    return _Bisection(a, f_lo, b, f_hi, f_start, *_midpoint(fn, a, b), flag)
 
 
 def _bisection_step(fn, rtol, atol):
     def step(state):
-        a, b, f_lo, f_hi, _, f_start, x, fx, flag = state
+        a, f_lo, b, f_hi, f_start, x, fx, flag = state
         active = flag == _status.RUNNING
         lo, hi = active & (fx <= 0), active & (fx >= 0)  # F(x) = 0: both ends move to x
         a, f_lo = jnp.where(lo, x, a), jnp.where(lo, fx, f_lo)
@@ -407,7 +409,7 @@ def _bisection_step(fn, rtol, atol):
         width = jnp.abs(b - a)
         converged = (width <= atol + rtol * jnp.abs(x)) | _cannot_shrink(a, b)
         flag = _next_flag(flag, active, fx, converged)
-        return _Bisection(a, b, f_lo, f_hi, width, f_start, *_midpoint(fn, a, b), flag)
+        return _Bisection(a, f_lo, b, f_hi, f_start, *_midpoint(fn, a, b), flag)
 
     return step
 
@@ -426,7 +428,6 @@ class _Chandrupatla(NamedTuple):
     f_hi: Any  # F(x2)
     x3: Any  # the previous point (for the interpolation)
     f3: Any
-    width: Any  # |x2 - x1|
     f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the next point, evaluated
     fx: Any
@@ -438,14 +439,13 @@ def _chandrupatla_init(fn, lower, upper):
     flag = _initial_flag(lower, upper, f1, f2)
     f_start = jnp.maximum(jnp.abs(f1), jnp.abs(f2))
     return _Chandrupatla(
-        lower, f1, upper, f2, upper, f2, jnp.abs(upper - lower), f_start,
-        *_midpoint(fn, lower, upper), flag,
+        lower, f1, upper, f2, upper, f2, f_start, *_midpoint(fn, lower, upper), flag,
     )
 
 
 def _chandrupatla_step(fn, rtol, atol):
     def step(state):
-        x1, f1, x2, f2, x3, f3, _, f_start, x, f, flag = state
+        x1, f1, x2, f2, x3, f3, f_start, x, f, flag = state
         active = flag == _status.RUNNING
         # Keep the bracket: the new point replaces the end of its own sign.
         same = (f < 0) == (f1 < 0)
@@ -479,7 +479,7 @@ def _chandrupatla_step(fn, rtol, atol):
         t = jnp.where(safe & jnp.isfinite(iqi), iqi, 0.5)
         limit = jnp.minimum(0.5 * tol / jnp.where(width > 0, width, 1.0), 0.5)
         x = x1 + jnp.clip(t, limit, 1 - limit) * (x2 - x1)
-        return _Chandrupatla(x1, f1, x2, f2, x3, f3, width, f_start, x, fn(x), flag)
+        return _Chandrupatla(x1, f1, x2, f2, x3, f3, f_start, x, fn(x), flag)
 
     return step
 
