@@ -221,14 +221,15 @@ def _anderson_method(fn, damping, regularization, history_size):
         return (x0, _placeholder(x0), jnp.bool_(False), zeros, zeros, jnp.int32(0))
 
     def mix(state):
-        """The next iterate from the history and ``(x, f(x))``, and the new history."""
-        x, fx, _, xs, gs, k = state
+        """The next iterate from the history and ``(x, f(x))``, and the new history (the
+        guess, not evaluated yet, leaves the history as it is: updated in place)."""
+        x, fx, evaluated, xs, gs, k = state
         x_flat, unravel = ravel_pytree(x)
         g = ravel_pytree(fx)[0] - x_flat
         m = xs.shape[0]
         slot = k % m
-        xs = xs.at[slot].set(x_flat)
-        gs = gs.at[slot].set(g)
+        xs = xs.at[slot].set(jnp.where(evaluated, x_flat, xs[slot]))
+        gs = gs.at[slot].set(jnp.where(evaluated, g, gs[slot]))
         valid = jnp.arange(m) <= k
         gram = gs @ gs.T
         gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
@@ -244,12 +245,10 @@ def _anderson_method(fn, damping, regularization, history_size):
         return unravel(x_new), xs, gs
 
     def step(state):
-        x, _, evaluated, xs, gs, k = state
-        x_new, xs_new, gs_new = mix(state)
-        keep = lambda n, o: jnp.where(evaluated, n, o)  # noqa: E731 - the guess: no mixing
-        x = jax.tree.map(keep, x_new, x)
-        return (x, fn(x), jnp.bool_(True), keep(xs_new, xs), keep(gs_new, gs),
-                k + evaluated.astype(jnp.int32))
+        x, _, evaluated, _, _, k = state
+        x_new, xs, gs = mix(state)
+        x = jax.tree.map(lambda n, o: jnp.where(evaluated, n, o), x_new, x)  # guess: as is
+        return (x, fn(x), jnp.bool_(True), xs, gs, k + evaluated.astype(jnp.int32))
 
     method = _runner.Method(init=init, step=step, terminate=_progress, warmup=True)
     return method, lambda state: mix(state)[0]
