@@ -1,12 +1,165 @@
-"""Run-time failure reports from compiled code: a host check taken only on failure."""
+"""Run-time failure reports from compiled code, and loop carries under ``shard_map``.
+
+:func:`host_check` takes a host check only on failure. Under SPMD sharding (a sharded
+``jit`` on an ``Auto`` or ``Explicit`` mesh, ``shard_map``, ``pmap``, several processes)
+a raise from a host callback on one device while the others wait in a collective
+makes XLA abort the whole process ("Termination timeout for 'all reduce'"). So there
+the check is global: the failure flags and the operands are gathered first, every
+device takes the same decision from the same data, and either none or all of them
+raise: the error is catchable, and its index is global (the message says which shard
+held the first failed element).
+
+:func:`while_loop` is ``lax.while_loop`` with its start values cast to vary over the
+``shard_map`` axes its body's outputs vary over (``check_vma=True`` needs equal carry
+types; a constant start value is otherwise invariant).
+"""
 
 from __future__ import annotations
+
+import atexit
+import logging
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["host_check"]
+__all__ = ["host_check", "while_loop", "match_varying"]
+
+
+# --- varying manual axes (shard_map's check_vma) -----------------------------------------
+
+
+def _varying(x):
+    kind = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(kind.varying) if kind is not None else frozenset()
+
+
+def _context_manual_axes():
+    try:
+        return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    except Exception:  # noqa: BLE001 - no mesh API: no manual axes
+        return ()
+
+
+def vary(x, axes):
+    """``x`` cast to vary over ``axes`` (those it does not vary over yet)."""
+    missing = tuple(a for a in axes if a not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match_varying(init, body):
+    """``init`` with each leaf cast to vary as ``body(init)``'s matching output does.
+
+    A no-op outside ``shard_map`` (and costs nothing there); inside, ``body`` is traced
+    abstractly until the carry types settle (at most a few times).
+    """
+    if not _context_manual_axes():
+        return init
+    for _ in range(4):
+        out = jax.eval_shape(body, init)
+        changed = False
+
+        def fix(x, o):
+            nonlocal changed
+            kind = getattr(o, "manual_axis_type", None)
+            need = tuple(sorted(set(kind.varying) - _varying(x))) if kind is not None else ()
+            if not need:
+                return x
+            changed = True
+            return vary(x, need)
+
+        init = jax.tree.map(fix, init, out)
+        if not changed:
+            break
+    return init
+
+
+def while_loop(cond, body, init):
+    """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
+    return jax.lax.while_loop(cond, body, match_varying(init, body))
+
+
+def like(x, value, dtype=None):
+    """A scalar ``value`` typed to vary over the same ``shard_map`` axes as ``x``."""
+    out = jnp.asarray(value, dtype)
+    axes = tuple(sorted(set().union(*[_varying(v) for v in jax.tree.leaves(x)] or [set()])))
+    return vary(out, axes) if axes else out
+
+
+# --- the host check ------------------------------------------------------------------------
+
+
+def _mesh_of(x):
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or not getattr(mesh, "shape", None):
+        try:
+            mesh = jax.sharding.get_abstract_mesh()
+        except Exception:  # noqa: BLE001
+            return None
+    return mesh if getattr(mesh, "shape", None) and mesh.size > 1 else None
+
+
+def _gather(x, axes):
+    """All of ``x`` over the manual ``axes``: tiled along axis 0 (stacked if 0-d)."""
+    x = vary(x, axes)
+    if jnp.ndim(x) == 0:
+        return jax.lax.all_gather(x, axes)
+    return jax.lax.all_gather(x, axes, tiled=True)
+
+
+class _Quiet(logging.Filter):
+    """Let only the first of the identical per-device reports of a sharded failure be
+    logged by JAX's callback machinery (every device raises the same error)."""
+
+    seen: set = set()
+
+    def filter(self, record):
+        err = record.exc_info[1] if record.exc_info else None
+        key = getattr(err, "_solvers_sharded", None)
+        if key is None:
+            return True
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+_quiet_installed = False
+
+
+def _install_quiet():
+    """Silence the duplicate logs and the re-raise at interpreter exit of a caught
+    sharded failure (JAX keeps the failed execution's runtime tokens and blocks on them
+    at exit)."""
+    global _quiet_installed
+    if _quiet_installed:
+        return
+    _quiet_installed = True
+    logging.getLogger("jax._src.callback").addFilter(_Quiet())
+
+    def drop_failed_tokens():  # registered after JAX's own: runs before it
+        try:
+            from jax._src import dispatch
+
+            dispatch.runtime_tokens.block_until_ready()
+        except Exception as err:  # noqa: BLE001
+            if "did not converge" in str(err) or "adjoint linear solve" in str(err):
+                dispatch.runtime_tokens.clear()
+
+    atexit.register(drop_failed_tokens)
+
+
+def _where(first, shape, shards):
+    """`` (shard s of n ...)`` for the first failed element, when the shards are known."""
+    if shards is None or not first:
+        return ""
+    axes, n, local = shards
+    s = first[0] // local
+    return (f" [sharded over {'x'.join(axes)}: the first failed element is on shard {s} of "
+            f"{n} (local index {(first[0] % local,) + tuple(first[1:])})]")
 
 
 def host_check(ok, host, operands):
@@ -16,24 +169,65 @@ def host_check(ok, host, operands):
     everything is fine (a host round trip costs as much as a small solve), and under
     ``vmap`` the whole batch is checked by one call rather than one per element.
     Fold the returned flag into an output (``jnp.where(flag, out, nan)``) so that the
-    check cannot be dropped as dead code.
+    check cannot be dropped as dead code. Under sharding the check is global (see the
+    module docstring): every device raises, or none.
     """
     leaves, treedef = jax.tree.flatten(jax.tree.map(jax.lax.stop_gradient, operands))
     ok = jax.lax.stop_gradient(ok)
 
-    def on_host(*host_leaves):
-        host(jax.tree.unflatten(treedef, host_leaves))
+    def on_host(shards, ok_host, *host_leaves):
+        try:
+            host(jax.tree.unflatten(treedef, host_leaves))
+        except Exception as err:
+            if shards is None:
+                raise
+            failed = np.argwhere(~np.asarray(ok_host))
+            first = tuple(int(i) for i in failed[0]) if failed.size else ()
+            try:
+                new = type(err)(f"{err}{_where(first, np.shape(ok_host), shards)}")
+            except Exception:  # noqa: BLE001 - an exception type we cannot rebuild
+                new = err
+            new._solvers_sharded = str(new)
+            _install_quiet()
+            raise new from None
         return np.bool_(True)
 
-    @jax.custom_batching.custom_vmap
-    def guard(ok, *leaves):
+    def decide(shards, ok, *leaves):
         def call(ok, *leaves):
-            del ok
             return jax.pure_callback(
-                on_host, jax.ShapeDtypeStruct((), jnp.bool_), *leaves, vmap_method="sequential"
+                lambda *a: on_host(shards, *a),
+                jax.ShapeDtypeStruct((), jnp.bool_), ok, *leaves, vmap_method="sequential",
             )
 
         return jax.lax.cond(jnp.all(ok), lambda *_: jnp.bool_(True), call, ok, *leaves)
+
+    @jax.custom_batching.custom_vmap
+    def guard(ok, *leaves):
+        mesh = _mesh_of(ok)
+        if mesh is None:
+            return decide(None, ok, *leaves)
+        manual = _context_manual_axes()
+        if manual:
+            # shard_map / pmap: each device holds its block; gather them all.
+            local = jnp.shape(ok)[0] if jnp.ndim(ok) else 1
+            n = math.prod(mesh.shape[a] for a in manual)
+            flag = decide((manual, n, local), _gather(ok, manual),
+                          *[_gather(leaf, manual) for leaf in leaves])
+            return jax.lax.pmin(flag, manual) if _varying(flag) else flag
+        # A sharded jit: every device decides on the replicated (global) values.
+        shards = None
+        spec = getattr(getattr(jax.typeof(ok), "sharding", None), "spec", None)
+        if jnp.ndim(ok) and spec and spec[0] is not None:
+            names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+            n = math.prod(mesh.shape[a] for a in names)
+            shards = (names, n, max(jnp.shape(ok)[0] // n, 1))
+        replicated = NamedSharding(mesh, P())
+        args = [jax.sharding.reshard(a, replicated) if hasattr(jax.sharding, "reshard")
+                else jax.reshard(a, replicated) for a in (ok, *leaves)]
+        return jax.shard_map(
+            lambda *a: decide(shards, *a), mesh=mesh, in_specs=P(), out_specs=P(),
+            check_vma=False,
+        )(*args)
 
     @guard.def_vmap
     def _guard_batched(axis_size, in_batched, ok, *leaves):

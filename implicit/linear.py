@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.sparse import linalg as jsp_linalg
 
+from implicit import _host
+
 __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve"]
 
 #: Names accepted by ``linear_solver=``. ``LINEAR_METHODS`` are the ones that are exact
@@ -115,7 +117,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             g = g.at[j + 1].set(-s_j * g[j]).at[j].set(c_j * g[j])
             return j + 1, basis, hess.at[:, j].set(h), cs.at[j].set(c_j), sn.at[j].set(s_j), g
 
-        j, basis, hess, _, _, g = jax.lax.while_loop(
+        j, basis, hess, _, _, g = _host.while_loop(
             not_done, arnoldi_step, (jnp.int32(0), basis, hess, cs, sn, g)
         )
         used = jnp.arange(m) < j
@@ -133,7 +135,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
         return x, residual, steps + jnp.maximum(j, 1)
 
     init = (jnp.zeros_like(b), jnp.asarray(jnp.inf, dtype), jnp.int32(0))
-    return jax.lax.while_loop(outer_cond, outer_body, init)[0]
+    return _host.while_loop(outer_cond, outer_body, init)[0]
 
 
 def _bicgstab(matvec, b, rtol, atol, max_steps):
@@ -173,7 +175,7 @@ def _neumann(matvec, b, rtol, atol, max_steps):
         return jax.tree.map(jnp.add, x, r), _norm(r), k + 1
 
     x0 = jax.tree.map(jnp.negative, b)
-    x, err, _ = jax.lax.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
+    x, err, _ = _host.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
     ok = err <= bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 

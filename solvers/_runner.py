@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _checks, custom_root
+from implicit import _host
 from implicit._host import host_check
 from solvers import _status
 
@@ -194,7 +195,7 @@ def iterate(
         return state, k + 1, status, error, jnp.minimum(best, merit), since, history
 
     init = (state, zero, status, error, merit, zero, history)
-    state, k, status, error, _, _, history = jax.lax.while_loop(cond, body, init)
+    state, k, status, error, _, _, history = _host.while_loop(cond, body, init)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
         converged=status == _status.CONVERGED,
