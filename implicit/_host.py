@@ -77,6 +77,21 @@ def match_varying(init, body):
     return init
 
 
+def like_output(solver, x0, args, has_aux=False):
+    """``x0`` cast to vary over the ``shard_map`` axes ``solver(x0, *args)``'s solution
+    varies over (``x0`` itself outside ``shard_map``)."""
+    if not _context_manual_axes():
+        return x0
+    out = jax.eval_shape(solver, x0, *args)
+    out = out[0] if has_aux else out
+
+    def cast(x, o):
+        kind = getattr(o, "manual_axis_type", None)
+        return vary(x, tuple(sorted(kind.varying))) if kind is not None else x
+
+    return jax.tree.map(cast, x0, out)
+
+
 def while_loop(cond, body, init):
     """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
     return jax.lax.while_loop(cond, body, match_varying(init, body))
