@@ -94,7 +94,15 @@ def like_output(solver, x0, args, has_aux=False):
 
 def while_loop(cond, body, init):
     """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
-    return jax.lax.while_loop(cond, body, match_varying(init, body))
+    if not _context_manual_axes():
+        return jax.lax.while_loop(cond, body, init)
+    init = match_varying(init, body)
+
+    def typed_body(carry):  # outputs at least as varying as the carry (a constant reset)
+        out = body(carry)
+        return jax.tree.map(lambda o, c: vary(o, tuple(sorted(_varying(c)))), out, carry)
+
+    return jax.lax.while_loop(cond, typed_body, init)
 
 
 def like(x, value, dtype=None):

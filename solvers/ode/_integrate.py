@@ -18,6 +18,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from implicit import _host
+
 from solvers import _status
 from solvers.ode import _control
 
@@ -291,7 +293,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             )
             return Carry(ctrl.pack(), z, cache, last_step, rec)
 
-        return jax.lax.while_loop(cond, body, carry)
+        return _host.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
