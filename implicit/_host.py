@@ -50,31 +50,30 @@ def vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def match_varying(init, body):
-    """``init`` with each leaf cast to vary as ``body(init)``'s matching output does.
+def _union(tree):
+    return frozenset().union(*[_varying(v) for v in jax.tree.leaves(tree)])
 
-    A no-op outside ``shard_map`` (and costs nothing there); inside, ``body`` is traced
-    abstractly until the carry types settle (at most a few times).
+
+def match_varying(init, body):
+    """``init`` with every leaf cast to vary over the ``shard_map`` axes that any leaf of
+    the carry (or of ``body(init)``) varies over.
+
+    All of a loop's carries vary alike: ``vmap`` of a ``while_loop`` with a varying
+    predicate mixes every carry with it, and carries that are invariant in the traced
+    body then clash with their varying batched values when the loop is lowered. A
+    no-op outside ``shard_map`` (and costs nothing there); inside, ``body`` is traced
+    abstractly once more.
     """
     if not _context_manual_axes():
         return init
-    for _ in range(4):
-        out = jax.eval_shape(body, init)
-        changed = False
-
-        def fix(x, o):
-            nonlocal changed
-            kind = getattr(o, "manual_axis_type", None)
-            need = tuple(sorted(set(kind.varying) - _varying(x))) if kind is not None else ()
-            if not need:
-                return x
-            changed = True
-            return vary(x, need)
-
-        init = jax.tree.map(fix, init, out)
-        if not changed:
-            break
-    return init
+    axes = _union(init)
+    out = jax.eval_shape(body, jax.tree.map(lambda x: vary(x, tuple(sorted(axes))), init))
+    for o in jax.tree.leaves(out):
+        kind = getattr(o, "manual_axis_type", None)
+        if kind is not None:
+            axes = axes | frozenset(kind.varying)
+    axes = tuple(sorted(axes))
+    return jax.tree.map(lambda x: vary(x, axes), init) if axes else init
 
 
 def like_output(solver, x0, args, has_aux=False):
@@ -92,15 +91,25 @@ def like_output(solver, x0, args, has_aux=False):
     return jax.tree.map(cast, x0, out)
 
 
+def vary_like(tree, like):
+    """``tree`` with each leaf cast to vary over every ``shard_map`` axis that a leaf of
+    ``like`` varies over (``tree`` itself outside ``shard_map``)."""
+    if not _context_manual_axes():
+        return tree
+    axes = tuple(sorted(set().union(*[_varying(v) for v in jax.tree.leaves(like)])))
+    return jax.tree.map(lambda t: vary(t, axes), tree) if axes else tree
+
+
 def while_loop(cond, body, init):
     """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
     if not _context_manual_axes():
         return jax.lax.while_loop(cond, body, init)
     init = match_varying(init, body)
 
-    def typed_body(carry):  # outputs at least as varying as the carry (a constant reset)
-        out = body(carry)
-        return jax.tree.map(lambda o, c: vary(o, tuple(sorted(_varying(c)))), out, carry)
+    axes = tuple(sorted(_union(init)))
+
+    def typed_body(carry):  # outputs as varying as the carry (e.g. a constant reset)
+        return jax.tree.map(lambda o: vary(o, axes), body(carry))
 
     return jax.lax.while_loop(cond, typed_body, init)
 

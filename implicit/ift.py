@@ -232,6 +232,9 @@ def _implicit_solve(
                 return out, (x_dot, jax.tree.map(_zero_tangent, aux))
             return out, x_dot
 
+    # shard_map: tolerances typed to vary with the problem (an implicit cast inserted at
+    # the call would meet already varying values when the rule is lowered under vmap).
+    tol = _host.vary_like(tol, (x_like, args))
     return solve(x0, args, residual_consts, solver_consts, tol)
 
 

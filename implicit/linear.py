@@ -153,7 +153,8 @@ def _dense(matvec, b, rtol, atol, max_steps):
     def matvec_flat(v):
         return ravel_pytree(matvec(unravel(v)))[0]
 
-    columns = jax.vmap(matvec_flat)(jnp.eye(b_flat.size, dtype=b_flat.dtype))
+    eye = _host.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
+    columns = jax.vmap(matvec_flat)(eye)
     return unravel(jnp.linalg.solve(columns.T, b_flat))
 
 
