@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["host_check", "while_loop", "match_varying"]
+__all__ = ["host_check", "match_varying", "scan", "vary_like", "while_loop"]
 
 
 # --- varying manual axes (shard_map's check_vma) -----------------------------------------
@@ -119,6 +119,21 @@ def like(x, value, dtype=None):
     out = jnp.asarray(value, dtype)
     axes = tuple(sorted(set().union(*[_varying(v) for v in jax.tree.leaves(x)] or [set()])))
     return vary(out, axes) if axes else out
+
+
+def scan(f, init, xs):
+    """``jax.lax.scan`` whose carry varies alike (see :func:`match_varying`)."""
+    if not _context_manual_axes():
+        return jax.lax.scan(f, init, xs)
+    first = jax.tree.map(lambda x: x[0], xs)
+    init = match_varying(init, lambda c: f(c, first)[0])
+    axes = tuple(sorted(_union(init)))
+
+    def typed(carry, x):
+        carry, y = f(carry, x)
+        return jax.tree.map(lambda o: vary(o, axes), carry), y
+
+    return jax.lax.scan(typed, init, xs)
 
 
 # --- the host check ------------------------------------------------------------------------

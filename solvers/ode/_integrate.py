@@ -184,7 +184,11 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         )
 
     h = jax.lax.cond(
-        h0 > 0, lambda _: jnp.minimum(h0, first_span).astype(dtype), auto_h, None
+        h0 > 0,
+        # shard_map: typed to vary as auto_h's result does (the branches must agree).
+        lambda _: _host.vary_like(jnp.minimum(h0, first_span).astype(dtype), (z0, k0)),
+        auto_h,
+        None,
     )
     dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
     degree = dense.shape[0]
@@ -318,7 +322,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         return carry, jnp.where(reached, y, jnp.nan)
 
     carry = Carry(ctrl.pack(), z0, cache, last_step, rec)
-    carry, ys = jax.lax.scan(per_time, carry, jnp.arange(1, T))
+    carry, ys = _host.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end

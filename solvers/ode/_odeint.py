@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks
+from implicit import _checks, _host
 from implicit._host import host_check
 from solvers import _runner, _status
 from solvers.ode import _adjoint, _integrate, _tableaus
@@ -197,6 +197,7 @@ def _make_stepper(method):
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, check):
     on_failure, max_steps = options.on_failure, options.max_steps
+    y0 = _host.vary_like(y0, (y0, ts, args))  # shard_map: the state varies with the problem
     out = _checks.call_shape(f, "f", y0, ts[0], *args)
     _checks.check_like(out, y0, "f(y0, t, *args)", "y0")
     fn, consts = jax.closure_convert(f, y0, ts[0], *args)
