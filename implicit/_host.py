@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["host_check", "match_varying", "scan", "vary_like", "while_loop"]
@@ -100,10 +100,43 @@ def vary_like(tree, like):
     return jax.tree.map(lambda t: vary(t, axes), tree) if axes else tree
 
 
+def _explicit_mesh(tree):
+    """The Explicit mesh of the context (or of a leaf of ``tree``), else ``None``."""
+    candidates = [jax.sharding.get_abstract_mesh()]
+    candidates += [getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
+                   for v in jax.tree.leaves(tree)]
+    for mesh in candidates:
+        types = getattr(mesh, "axis_types", ())
+        if getattr(mesh, "shape", None) and any(t == AxisType.Explicit for t in types):
+            return mesh
+    return None
+
+
+def on_mesh(tree):
+    """Leaves that belong to no mesh (constants) put, replicated, on the Explicit mesh
+    that others are on.
+
+    ``vmap`` of a loop over an Explicit-sharded batch axis (JAX 0.10) inserts the
+    batch's mesh axis into every carry's sharding, which fails for a carry whose
+    sharding has no mesh ("Resource axis ... is not found in mesh: ()").
+    """
+    mesh = _explicit_mesh(tree)
+    if mesh is None:
+        return tree
+
+    def put(x):
+        own = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if getattr(own, "shape", None):
+            return x
+        return jax.sharding.reshard(x, NamedSharding(mesh, P()))
+
+    return jax.tree.map(put, tree)
+
+
 def while_loop(cond, body, init):
     """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
     if not _context_manual_axes():
-        return jax.lax.while_loop(cond, body, init)
+        return jax.lax.while_loop(cond, body, on_mesh(init))
     init = match_varying(init, body)
 
     axes = tuple(sorted(_union(init)))
@@ -124,7 +157,7 @@ def like(x, value, dtype=None):
 def scan(f, init, xs):
     """``jax.lax.scan`` whose carry varies alike (see :func:`match_varying`)."""
     if not _context_manual_axes():
-        return jax.lax.scan(f, init, xs)
+        return jax.lax.scan(f, on_mesh(init), xs)
     first = jax.tree.map(lambda x: x[0], xs)
     init = match_varying(init, lambda c: f(c, first)[0])
     axes = tuple(sorted(_union(init)))
