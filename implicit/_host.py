@@ -234,7 +234,7 @@ def _install_quiet():
 
 def _where(first, shape, shards):
     """`` (shard s of n ...)`` for the first failed element, when the shards are known."""
-    if shards is None or not first:
+    if not shards or not first:
         return ""
     axes, n, local = shards
     s = first[0] // local
@@ -259,7 +259,7 @@ def host_check(ok, host, operands):
         try:
             host(jax.tree.unflatten(treedef, host_leaves))
         except Exception as err:
-            if shards is None:
+            if shards is None:  # not sharded
                 raise
             failed = np.argwhere(~np.asarray(ok_host))
             first = tuple(int(i) for i in failed[0]) if failed.size else ()
@@ -295,7 +295,7 @@ def host_check(ok, host, operands):
                           *[_gather(leaf, manual) for leaf in leaves])
             return jax.lax.pmin(flag, manual) if _varying(flag) else flag
         # A sharded jit: every device decides on the replicated (global) values.
-        shards = None
+        shards = ()  # sharded, the shards of the batch unknown (an Auto mesh's trace)
         spec = getattr(getattr(jax.typeof(ok), "sharding", None), "spec", None)
         if jnp.ndim(ok) and spec and spec[0] is not None:
             names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)

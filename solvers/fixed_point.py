@@ -222,7 +222,9 @@ def _anderson_method(fn, damping, regularization, history_size):
         # residuals are small); unused slots get a unit diagonal and a zero weight.
         ridge = regularization * jnp.max(jnp.diag(gram))
         gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
-        alpha = jnp.linalg.solve(gram, valid.astype(gram.dtype))
+        # The right-hand side shares gram's batching (and so its sharding: the pivoting
+        # gather of a vmapped solve on an Explicit mesh needs operand and indices alike).
+        alpha = jnp.linalg.solve(gram, valid.astype(gram.dtype) + jnp.zeros_like(gram[0]))
         alpha = alpha / jnp.sum(alpha)
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.
