@@ -112,6 +112,13 @@ def _explicit_mesh(tree):
     return None
 
 
+def replicated(*arrays):
+    """``P()`` when ``arrays`` live on an Explicit mesh, else ``None``: the
+    ``out_sharding`` of a contraction over a possibly sharded axis (a Gram matrix, an
+    inner product), which an Explicit mesh asks for."""
+    return P() if _explicit_mesh(arrays) is not None else None
+
+
 def on_mesh(tree):
     """Leaves that belong to no mesh (constants) put, replicated, on the Explicit mesh
     that others are on.

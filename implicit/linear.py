@@ -47,7 +47,9 @@ LINEAR_METHODS = ("gmres", "bicgstab", "cg", "dense", "diagonal")
 
 
 def _vdot(a, b):
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    # An elementwise product and a sum, not jnp.vdot: a reduction over a sharded axis
+    # needs no output sharding on an Explicit mesh, a contraction does.
+    return sum(jnp.sum(jnp.conj(x) * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _norm(a):
@@ -72,7 +74,9 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
     def cycle(x):
         r = b - matvec(x)
         beta = jnp.linalg.norm(r)
-        basis = jnp.zeros((m + 1, n), dtype).at[0].set(r / jnp.where(beta > 0, beta, 1))
+        # Broadcast from b: on an Explicit mesh the basis keeps b's sharding.
+        basis = jnp.broadcast_to(jnp.zeros_like(b), (m + 1, n))
+        basis = basis.at[0].set(r / jnp.where(beta > 0, beta, 1))
         hess = jnp.zeros((m + 1, m), dtype)  # Hessenberg matrix, rotated to triangular
         cs = jnp.zeros(m, dtype)
         sn = jnp.zeros(m, dtype)
@@ -87,12 +91,13 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             w = matvec(basis[j])
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
-            h = jnp.where(mask, basis @ w, 0.0)
+            rep = _host.replicated(basis, w)  # Explicit meshes: n may be sharded
+            h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
             w = w - h @ basis
 
             def reorthogonalise(hw):
                 h, w = hw
-                h2 = jnp.where(mask, basis @ w, 0.0)
+                h2 = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
                 return h + h2, w - h2 @ basis
 
             # A second Gram-Schmidt pass only when the first cancelled much of w (DGKS).
@@ -258,9 +263,9 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     if linear_solver == "diagonal":
         ok = jax.tree.map(jnp.isfinite, x)
         return ok, jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 0.0, jnp.inf), x)
-    b_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(b)).real)
+    b_norm = jnp.sqrt(_vdot(b, b).real)
     r = jax.tree.map(jnp.subtract, matvec(x), b)
-    r_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(r)).real)
+    r_norm = jnp.sqrt(_vdot(r, r).real)
     relative = r_norm / jnp.where(b_norm > 0, b_norm, 1)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(x)]))
     if linear_solver == "jfb":

@@ -123,12 +123,18 @@ class Method(NamedTuple):
     terminate: Callable  # state -> Progress
 
 
+def _leaf_max_norm(leaf):
+    # NaN is tested for apart: a max over devices (a sharded array's all-reduce) may
+    # drop a NaN that a max on one device keeps, and a NaN must never pass the test.
+    return jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, jnp.max(jnp.abs(leaf)))
+
+
 def max_norm(tree):
     """Largest absolute entry of a pytree of arrays (NaN if any entry is NaN)."""
     leaves = jax.tree.leaves(tree)
     if len(leaves) == 1:
-        return jnp.max(jnp.abs(leaves[0]))
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
+        return _leaf_max_norm(leaves[0])
+    return jnp.max(jnp.stack([_leaf_max_norm(leaf) for leaf in leaves]))
 
 
 def _judge(progress, rtol, atol, dtype):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks
+from implicit import _checks, _host
 from solvers import _runner
 
 __all__ = ["fixed_point"]
@@ -203,7 +203,8 @@ def _anderson_method(fn, damping, regularization, history_size):
 
     def init(x0):
         flat = ravel_pytree(x0)[0]
-        zeros = jnp.zeros((history_size, flat.size), flat.dtype)
+        # Broadcast from the iterate: on an Explicit mesh the buffers keep its sharding.
+        zeros = jnp.broadcast_to(jnp.zeros_like(flat), (history_size, flat.size))
         return (x0, fn(x0), zeros, zeros, jnp.int32(0))
 
     def mix(state):
@@ -216,7 +217,7 @@ def _anderson_method(fn, damping, regularization, history_size):
         xs = xs.at[slot].set(x_flat)
         gs = gs.at[slot].set(g)
         valid = jnp.arange(m) <= k
-        gram = gs @ gs.T
+        gram = jnp.matmul(gs, gs.T, out_sharding=_host.replicated(gs))  # Explicit meshes
         gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
         # Ridge relative to the residuals' scale (an absolute ridge stalls once the
         # residuals are small); unused slots get a unit diagonal and a zero weight.

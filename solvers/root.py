@@ -185,7 +185,7 @@ def _solve(
             max_steps=options.max_steps,
             record_history=options.full_output,
         )
-        return unravel(state.x), info._replace(residual=jnp.max(jnp.abs(state.fx)))
+        return unravel(state.x), info._replace(residual=_runner.max_norm(state.fx))
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
                          solver=solver)
@@ -325,7 +325,7 @@ def _chord(ops, history_size):
         # Kelley's rule: a chord step that reduces |F| less than twofold is too slow, so
         # the Jacobian is recomputed (still one factorisation per few steps).
         refresh = ~moved | (_norm(fx) > 0.5 * _norm(state.fx)) | small
-        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        refresh = refresh | ~jnp.isfinite(_runner.max_norm(d_next))
         return q._replace(d=d_next, refresh=refresh)
 
     return _quasi_direction(ops), update, _initial_quasi(ops, 0)
@@ -349,7 +349,7 @@ def _broyden(ops, history_size):
         u = jnp.where(keep, q.u.at[slot].set(u_k), q.u)
         k = jnp.where(keep, q.k + 1, q.k)
         refresh = ~moved | ~good | (k >= q.s.shape[0]) | small
-        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        refresh = refresh | ~jnp.isfinite(_runner.max_norm(d_next))
         return q._replace(d=d_next, s=s, u=u, k=k, refresh=refresh)
 
     return _quasi_direction(ops), update, _initial_quasi(ops, history_size)
@@ -379,8 +379,8 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         d, fresh, eta, quasi = direction(state)
         # At an exact root the step is zero, whatever the Jacobian there.
         d = jnp.where(jnp.all(fx == 0), 0.0, d)
-        f_ok = jnp.isfinite(jnp.max(jnp.abs(fx)))  # max propagates NaN
-        step_size = jnp.max(jnp.abs(d))
+        f_ok = jnp.isfinite(_runner.max_norm(fx))  # NaN-safe across devices
+        step_size = _runner.max_norm(d)
         d_ok = jnp.isfinite(step_size)
         # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
@@ -388,7 +388,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         rate = step_size / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
         error = step_size * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
-        scale = jnp.max(jnp.abs(x + d))
+        scale = _runner.max_norm(x + d)
         small = d_ok & (error <= atol + rtol * scale)
         if line_search:
             x_new, f_new, t, ok = _line_search(fn, x, fx, d, skip=small | ~d_ok | ~f_ok)

@@ -52,19 +52,20 @@ def _check(cases):
 
 
 def test_matrix_fast():
-    """Value, gradient, raise and NaN of one elementwise, one fixed-point and one Newton
-    solve under a sharded jit (Auto and Explicit meshes), shard_map and pmap."""
-    _, cases = _matrix("--solvers", "bisection,fixed_point,newton")
-    assert len(cases) == 3 * 4 * 4
+    """Value, gradient, raise and NaN of an elementwise, a vmapped and a whole-batch
+    fixed-point, and a vmapped Newton solve under a sharded jit (Auto and Explicit
+    meshes), shard_map and pmap."""
+    _, cases = _matrix("--solvers", "bisection,fixed_point,whole_anderson,newton")
+    assert len(cases) == 4 * 4 * 4
     _check(cases)
 
 
 @pytest.mark.slow
 def test_matrix_full():
-    """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, newton,
-    odeint) x every mode x every check."""
+    """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
+    and whole-batch, newton, odeint) x every mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 6 * 4 * 4
+    assert len(cases) == 8 * 4 * 4
     _check(cases)
 
 
