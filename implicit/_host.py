@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -179,14 +180,21 @@ def scan(f, init, xs):
 # --- the host check ------------------------------------------------------------------------
 
 
-def _mesh_of(x):
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if mesh is None or not getattr(mesh, "shape", None):
-        try:
-            mesh = jax.sharding.get_abstract_mesh()
-        except Exception:  # noqa: BLE001
-            return None
-    return mesh if getattr(mesh, "shape", None) and mesh.size > 1 else None
+def _mesh_of(*arrays):
+    """The mesh of more than one device that the check's values (or the context) live
+    on, else ``None``."""
+    candidates = [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+                  for x in arrays]
+    try:
+        candidates.append(jax.sharding.get_abstract_mesh())
+    except Exception:  # noqa: BLE001 - no mesh API
+        pass
+    for mesh in candidates:
+        if getattr(mesh, "shape", None) and mesh.size > 1:
+            return mesh
+    if os.environ.get("SOLVERS_DEBUG_HOST_CHECK") and jax.device_count() > 1:
+        print("host_check: no mesh found for", [jax.typeof(x) for x in arrays])
+    return None
 
 
 def _gather(x, axes):
@@ -290,7 +298,7 @@ def host_check(ok, host, operands):
 
     @jax.custom_batching.custom_vmap
     def guard(ok, *leaves):
-        mesh = _mesh_of(ok)
+        mesh = _mesh_of(ok, *leaves)
         if mesh is None:
             return decide(None, ok, *leaves)
         manual = _context_manual_axes()
