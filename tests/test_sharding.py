@@ -100,12 +100,17 @@ def test_issue_repro_raises_catchable_error_without_abort():
                 jax.block_until_ready(f(a))
             except Exception as err:
                 print("CAUGHT", name, str(err).replace("\\n", " "))
+        try:  # eager: the check runs after the computation, on the host
+            solvers.bisection(F, 0., 10., a)
+        except solvers.ConvergenceError as err:
+            print("EAGER", "first at index (37,)" in str(err))
         print("END")
         """
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "END" in out
+    assert "EAGER True" in out
     jit_line = next(line for line in out.splitlines() if line.startswith("CAUGHT jit"))
     smap_line = next(line for line in out.splitlines() if line.startswith("CAUGHT shard_map"))
     for line in (jit_line, smap_line):
