@@ -223,9 +223,13 @@ def _anderson_method(fn, damping, regularization, history_size):
         # residuals are small); unused slots get a unit diagonal and a zero weight.
         ridge = regularization * jnp.max(jnp.diag(gram))
         gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
-        # The right-hand side shares gram's batching (and so its sharding: the pivoting
-        # gather of a vmapped solve on an Explicit mesh needs operand and indices alike).
-        alpha = jnp.linalg.solve(gram, valid.astype(gram.dtype) + jnp.zeros_like(gram[0]))
+        rhs = valid.astype(gram.dtype)
+        if _host.replicated(gram) is None:
+            alpha = jnp.linalg.solve(gram, rhs)
+        else:
+            # On an Explicit mesh a vmapped LU's pivoting gather cannot be sharded
+            # (JAX 0.10); the ridged Gram matrix is positive definite: Cholesky, no pivots.
+            alpha = jax.scipy.linalg.solve(gram, rhs, assume_a="pos")
         alpha = alpha / jnp.sum(alpha)
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.

@@ -18,9 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 #: Cases that fail for reasons outside this library (see docs/scaling.md): a vmapped
-#: ``jnp.stack`` / ``jnp.linalg.solve`` over an Explicit-sharded batch in JAX 0.10.
+#: ``jnp.stack`` over an Explicit-sharded batch in JAX 0.10.
 KNOWN_FAILURES = {
-    ("anderson", "explicit"),
     ("odeint", "explicit"),
 }
 
