@@ -17,6 +17,7 @@ types; a constant start value is otherwise invariant).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -139,6 +140,20 @@ def on_mesh(tree):
         return jax.sharding.reshard(x, NamedSharding(mesh, P()))
 
     return jax.tree.map(put, tree)
+
+
+def stackable(values):
+    """Scalars ready for ``jnp.stack`` on an Explicit mesh (``values`` itself elsewhere).
+
+    Under ``vmap`` over an Explicit-sharded batch, stacking batched and unbatched
+    scalars fails (JAX 0.10: the unbatched ones are broadcast unsharded). Tying each
+    to all of them (a select that keeps the value) batches them alike.
+    """
+    if _explicit_mesh(values) is None:
+        return values
+    values = on_mesh(values)
+    total = functools.reduce(jnp.add, [jnp.asarray(v, jnp.float32) for v in values])
+    return [jnp.where(True, v, total.astype(jnp.result_type(v))) for v in values]
 
 
 def while_loop(cond, body, init):

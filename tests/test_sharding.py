@@ -17,11 +17,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-#: Cases that fail for reasons outside this library (see docs/scaling.md): a vmapped
-#: ``jnp.stack`` over an Explicit-sharded batch in JAX 0.10.
-KNOWN_FAILURES = {
-    ("odeint", "explicit"),
-}
+#: Cases that fail for reasons outside this library (see docs/scaling.md); none now.
+KNOWN_FAILURES: set = set()
 
 
 def _env(devices=8):

@@ -123,8 +123,8 @@ class Controller(NamedTuple):
         solve took 25-50% longer on CPU, its gradient 5-15%.
         """
         # On an Explicit mesh the scalars must share one sharding (constants have none).
-        floats = jnp.stack(_host.on_mesh([self.s, self.h, self.ratio_prev, self.ratio]))
-        ints = jnp.stack(_host.on_mesh([jnp.asarray(v, jnp.int32) for v in self[4:]]))
+        floats = jnp.stack(_host.stackable([self.s, self.h, self.ratio_prev, self.ratio]))
+        ints = jnp.stack(_host.stackable([jnp.asarray(v, jnp.int32) for v in self[4:]]))
         return floats, ints
 
     @classmethod
