@@ -122,7 +122,7 @@ class Controller(NamedTuple):
         Carrying ten separate scalars costs more kernels per step: the Lotka–Volterra
         solve took 25-50% longer on CPU, its gradient 5-15%.
         """
-        # On an Explicit mesh the scalars must share one sharding (constants have none).
+        # On an Explicit mesh the scalars must share one sharding and batching.
         floats = jnp.stack(_host.stackable([self.s, self.h, self.ratio_prev, self.ratio]))
         ints = jnp.stack(_host.stackable([jnp.asarray(v, jnp.int32) for v in self[4:]]))
         return floats, ints
