@@ -20,7 +20,6 @@ import atexit
 import functools
 import logging
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -207,9 +206,13 @@ def _mesh_of(*arrays):
     for mesh in candidates:
         if getattr(mesh, "shape", None) and mesh.size > 1:
             return mesh
-    if os.environ.get("SOLVERS_DEBUG_HOST_CHECK") and jax.device_count() > 1:
-        print("host_check: no mesh found for", [jax.typeof(x) for x in arrays])
     return None
+
+
+def on_several_devices(x):
+    """Whether ``x`` (being traced) may be spread over more than one device: it lives
+    on a mesh of several devices, or the trace is inside ``shard_map``/``pmap``."""
+    return _mesh_of(x) is not None
 
 
 def _gather(x, axes):

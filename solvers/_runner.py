@@ -124,9 +124,12 @@ class Method(NamedTuple):
 
 
 def _leaf_max_norm(leaf):
-    # NaN is tested for apart: a max over devices (a sharded array's all-reduce) may
-    # drop a NaN that a max on one device keeps, and a NaN must never pass the test.
-    return jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, jnp.max(jnp.abs(leaf)))
+    norm = jnp.max(jnp.abs(leaf))
+    if _host.on_several_devices(leaf):
+        # NaN is tested for apart: a max over devices (a sharded array's all-reduce)
+        # may drop a NaN that a max on one device keeps; a NaN must never pass the test.
+        norm = jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, norm)
+    return norm
 
 
 def max_norm(tree):
