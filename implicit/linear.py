@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.sparse import linalg as jsp_linalg
 
+from implicit import _host
+
 __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve"]
 
 #: Names accepted by ``linear_solver=``. ``LINEAR_METHODS`` are the ones that are exact
@@ -45,7 +47,9 @@ LINEAR_METHODS = ("gmres", "bicgstab", "cg", "dense", "diagonal")
 
 
 def _vdot(a, b):
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    # An elementwise product and a sum, not jnp.vdot: a reduction over a sharded axis
+    # needs no output sharding on an Explicit mesh, a contraction does.
+    return sum(jnp.sum(jnp.conj(x) * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _norm(a):
@@ -70,7 +74,9 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
     def cycle(x):
         r = b - matvec(x)
         beta = jnp.linalg.norm(r)
-        basis = jnp.zeros((m + 1, n), dtype).at[0].set(r / jnp.where(beta > 0, beta, 1))
+        # Broadcast from b: on an Explicit mesh the basis keeps b's sharding.
+        basis = jnp.broadcast_to(jnp.zeros_like(b), (m + 1, n))
+        basis = basis.at[0].set(r / jnp.where(beta > 0, beta, 1))
         hess = jnp.zeros((m + 1, m), dtype)  # Hessenberg matrix, rotated to triangular
         cs = jnp.zeros(m, dtype)
         sn = jnp.zeros(m, dtype)
@@ -85,12 +91,13 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             w = matvec(basis[j])
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
-            h = jnp.where(mask, basis @ w, 0.0)
+            rep = _host.replicated(basis, w)  # Explicit meshes: n may be sharded
+            h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
             w = w - h @ basis
 
             def reorthogonalise(hw):
                 h, w = hw
-                h2 = jnp.where(mask, basis @ w, 0.0)
+                h2 = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
                 return h + h2, w - h2 @ basis
 
             # A second Gram-Schmidt pass only when the first cancelled much of w (DGKS).
@@ -115,7 +122,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             g = g.at[j + 1].set(-s_j * g[j]).at[j].set(c_j * g[j])
             return j + 1, basis, hess.at[:, j].set(h), cs.at[j].set(c_j), sn.at[j].set(s_j), g
 
-        j, basis, hess, _, _, g = jax.lax.while_loop(
+        j, basis, hess, _, _, g = _host.while_loop(
             not_done, arnoldi_step, (jnp.int32(0), basis, hess, cs, sn, g)
         )
         used = jnp.arange(m) < j
@@ -133,7 +140,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
         return x, residual, steps + jnp.maximum(j, 1)
 
     init = (jnp.zeros_like(b), jnp.asarray(jnp.inf, dtype), jnp.int32(0))
-    return jax.lax.while_loop(outer_cond, outer_body, init)[0]
+    return _host.while_loop(outer_cond, outer_body, init)[0]
 
 
 def _bicgstab(matvec, b, rtol, atol, max_steps):
@@ -151,7 +158,8 @@ def _dense(matvec, b, rtol, atol, max_steps):
     def matvec_flat(v):
         return ravel_pytree(matvec(unravel(v)))[0]
 
-    columns = jax.vmap(matvec_flat)(jnp.eye(b_flat.size, dtype=b_flat.dtype))
+    eye = _host.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
+    columns = jax.vmap(matvec_flat)(eye)
     return unravel(jnp.linalg.solve(columns.T, b_flat))
 
 
@@ -173,7 +181,7 @@ def _neumann(matvec, b, rtol, atol, max_steps):
         return jax.tree.map(jnp.add, x, r), _norm(r), k + 1
 
     x0 = jax.tree.map(jnp.negative, b)
-    x, err, _ = jax.lax.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
+    x, err, _ = _host.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
     ok = err <= bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
@@ -255,9 +263,9 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     if linear_solver == "diagonal":
         ok = jax.tree.map(jnp.isfinite, x)
         return ok, jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 0.0, jnp.inf), x)
-    b_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(b)).real)
+    b_norm = jnp.sqrt(_vdot(b, b).real)
     r = jax.tree.map(jnp.subtract, matvec(x), b)
-    r_norm = jnp.sqrt(sum(jnp.vdot(v, v) for v in jax.tree.leaves(r)).real)
+    r_norm = jnp.sqrt(_vdot(r, r).real)
     relative = r_norm / jnp.where(b_norm > 0, b_norm, 1)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(x)]))
     if linear_solver == "jfb":

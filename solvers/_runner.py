@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _checks, custom_root
+from implicit import _host
 from implicit._host import host_check
 from solvers import _status
 
@@ -128,12 +129,21 @@ class Method(NamedTuple):
     warmup: bool = False
 
 
+def _leaf_max_norm(leaf):
+    norm = jnp.max(jnp.abs(leaf))
+    if _host.on_several_devices(leaf):
+        # NaN is tested for apart: a max over devices (a sharded array's all-reduce)
+        # may drop a NaN that a max on one device keeps; a NaN must never pass the test.
+        norm = jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, norm)
+    return norm
+
+
 def max_norm(tree):
     """Largest absolute entry of a pytree of arrays (NaN if any entry is NaN)."""
     leaves = jax.tree.leaves(tree)
     if len(leaves) == 1:
-        return jnp.max(jnp.abs(leaves[0]))
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
+        return _leaf_max_norm(leaves[0])
+    return jnp.max(jnp.stack([_leaf_max_norm(leaf) for leaf in leaves]))
 
 
 def _judge(progress, rtol, atol, dtype):
@@ -203,7 +213,7 @@ def iterate(
         return state, k + 1, status, error, best, since, history
 
     init = (state, zero, status, error, merit, zero, history)
-    state, k, status, error, _, _, history = jax.lax.while_loop(cond, body, init)
+    state, k, status, error, _, _, history = _host.while_loop(cond, body, init)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
         converged=status == _status.CONVERGED,

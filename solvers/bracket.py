@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
 from implicit import _checks
 from solvers import _runner, _status
@@ -212,10 +213,13 @@ def _solve(
         shape = jnp.broadcast_shapes(shape, out.shape)
     except (AttributeError, ValueError):
         pass  # reported by the check below
-    x0 = jnp.zeros(shape, lower.dtype)
+    # On an Explicit mesh the problems keep the sharding F gives them (scalar ends
+    # broadcast to it), so that the elementwise updates mix equally sharded arrays.
+    sharding = _explicit_sharding(out, shape)
+    x0 = jnp.zeros(shape, lower.dtype, out_sharding=sharding)
     _checks.check_scalar_function_output(jax.eval_shape(F, x0, *args), x0, "F(x, *args)", "x")
-    lower = jnp.broadcast_to(lower, shape)
-    upper = jnp.broadcast_to(upper, shape)
+    lower = jnp.broadcast_to(lower, shape, out_sharding=sharding)
+    upper = jnp.broadcast_to(upper, shape, out_sharding=sharding)
     init, step, finish = _METHODS[method]
 
     def body(x0, args):
@@ -243,7 +247,7 @@ def _solve(
             x, residual = finish(state)
             return x, residual, _final_status(state), info.num_steps, info.residual_history
 
-        if _chunked(shape):
+        if _chunked(shape) and not _spmd(out, lower, upper, args):
             x, residual, status, steps, history = _run_in_chunks(run, lower, upper, args)
         else:
             x, residual, status, steps, history = run(lower, upper, args)
@@ -258,6 +262,32 @@ def _solve(
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
                          solver=solver)
+
+
+def _explicit_sharding(out, shape):
+    """The sharding of ``F``'s output when it is an Explicit mesh's (else ``None``)."""
+    sharding = getattr(out, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if getattr(out, "shape", None) != shape or not getattr(mesh, "shape", None):
+        return None
+    explicit = [t == AxisType.Explicit for t in mesh.axis_types]
+    return sharding if any(explicit) else None
+
+
+def _spmd(*trees):
+    """Whether any input lives on a mesh of several devices that XLA partitions (Auto
+    or Explicit axes): then one wide solve, as the chunks' sequential ``lax.map`` over
+    the flattened problem would gather the sharded axis onto every device."""
+    for leaf in jax.tree.leaves(trees):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is None and isinstance(leaf, jax.Array | jax.core.Tracer):
+            mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if not getattr(mesh, "shape", None):
+            continue
+        if any(size > 1 and t != AxisType.Manual
+               for size, t in zip(mesh.shape.values(), mesh.axis_types)):
+            return True
+    return False
 
 
 def _chunked(shape):

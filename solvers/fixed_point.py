@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks
+from implicit import _checks, _host
 from solvers import _runner
 
 __all__ = ["fixed_point"]
@@ -217,7 +217,8 @@ def _anderson_method(fn, damping, regularization, history_size):
 
     def init(x0):
         flat = ravel_pytree(x0)[0]
-        zeros = jnp.zeros((history_size, flat.size), flat.dtype)
+        # Broadcast from the iterate: on an Explicit mesh the buffers keep its sharding.
+        zeros = jnp.broadcast_to(jnp.zeros_like(flat), (history_size, flat.size))
         return (x0, _placeholder(x0), jnp.bool_(False), zeros, zeros, jnp.int32(0))
 
     def mix(state):
@@ -231,13 +232,19 @@ def _anderson_method(fn, damping, regularization, history_size):
         xs = xs.at[slot].set(jnp.where(evaluated, x_flat, xs[slot]))
         gs = gs.at[slot].set(jnp.where(evaluated, g, gs[slot]))
         valid = jnp.arange(m) <= k
-        gram = gs @ gs.T
+        gram = jnp.matmul(gs, gs.T, out_sharding=_host.replicated(gs))  # Explicit meshes
         gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
         # Ridge relative to the residuals' scale (an absolute ridge stalls once the
         # residuals are small); unused slots get a unit diagonal and a zero weight.
         ridge = regularization * jnp.max(jnp.diag(gram))
         gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
-        alpha = jnp.linalg.solve(gram, valid.astype(gram.dtype))
+        rhs = valid.astype(gram.dtype)
+        if _host.replicated(gram) is None:
+            alpha = jnp.linalg.solve(gram, rhs)
+        else:
+            # On an Explicit mesh a vmapped LU's pivoting gather cannot be sharded
+            # (JAX 0.10); the ridged Gram matrix is positive definite: Cholesky, no pivots.
+            alpha = jax.scipy.linalg.solve(gram, rhs, assume_a="pos")
         alpha = alpha / jnp.sum(alpha)
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, linear
+from implicit import _checks, _host, linear
 from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
@@ -191,7 +191,7 @@ def _solve(
         # no step was taken.
         untouched = info.converged & jnp.all(state.x == x0_flat)
         info = info._replace(
-            residual=jnp.max(jnp.abs(state.fx)),
+            residual=_runner.max_norm(state.fx),
             num_steps=jnp.where(untouched, 0, info.num_steps),
         )
         return unravel(state.x), info
@@ -338,7 +338,7 @@ def _chord(ops, history_size):
         # Kelley's rule: a chord step that reduces |F| less than twofold is too slow, so
         # the Jacobian is recomputed (still one factorisation per few steps).
         refresh = ~moved | (_norm(fx) > 0.5 * _norm(state.fx)) | small
-        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        refresh = refresh | ~jnp.isfinite(_runner.max_norm(d_next))
         return q._replace(d=d_next, refresh=refresh)
 
     return _quasi_direction(ops), update, _initial_quasi(ops, 0)
@@ -362,7 +362,7 @@ def _broyden(ops, history_size):
         u = jnp.where(keep, q.u.at[slot].set(u_k), q.u)
         k = jnp.where(keep, q.k + 1, q.k)
         refresh = ~moved | ~good | (k >= q.s.shape[0]) | small
-        refresh = refresh | ~jnp.isfinite(jnp.max(jnp.abs(d_next)))
+        refresh = refresh | ~jnp.isfinite(_runner.max_norm(d_next))
         return q._replace(d=d_next, s=s, u=u, k=k, refresh=refresh)
 
     return _quasi_direction(ops), update, _initial_quasi(ops, history_size)
@@ -390,11 +390,11 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
     def step(state):
         x = state.x
         fx, d, fresh, eta, quasi = direction(state)
-        f_max = jnp.max(jnp.abs(fx))  # NaN if any entry is (max propagates NaN)
+        f_max = _runner.max_norm(fx)  # NaN if any entry is (also across devices)
         f_ok = jnp.isfinite(f_max)
         # At an exact root the step is zero, whatever the Jacobian there.
         d = jnp.where(f_max == 0, 0.0, d)
-        step_size = jnp.max(jnp.abs(d))
+        step_size = _runner.max_norm(d)
         d_ok = jnp.isfinite(step_size)
         # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
@@ -402,7 +402,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         rate = step_size / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
         error = step_size * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
-        scale = jnp.max(jnp.abs(x + d))
+        scale = _runner.max_norm(x + d)
         small = d_ok & (error <= atol + rtol * scale)
         if line_search:
             x_new, f_new, t, ok = _line_search(fn, x, fx, d, skip=small | ~d_ok | ~f_ok)
@@ -489,5 +489,5 @@ def _line_search(fn, x, fx, d, skip):
 
     one = jnp.ones((), f0.dtype)
     init = (one, x, fx, f0, 0)
-    t, x_t, f_t, fnorm, _ = jax.lax.while_loop(cond, body, init)
+    t, x_t, f_t, fnorm, _ = _host.while_loop(cond, body, init)
     return x_t, f_t, t, skip | accepted(t, fnorm)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from implicit import _host
+
 from solvers import _status
 from solvers.ode import _integrate
 
@@ -285,7 +287,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
 
         # The jump in λ starts a fresh transient: pick the first step afresh (h = 0).
         c = (k, ts[k], lam, theta_bar, h * 0, left, status, t_fail)
-        _, end, lam, theta_bar, h, left, status, t_fail = jax.lax.while_loop(
+        _, end, lam, theta_bar, h, left, status, t_fail = _host.while_loop(
             more, window_step, c
         )
         # Out of budget before the interval's start: max_steps.

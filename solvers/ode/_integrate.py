@@ -18,6 +18,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from implicit import _host
+
 from solvers import _status
 from solvers.ode import _control
 
@@ -120,8 +122,9 @@ class Controller(NamedTuple):
         Carrying ten separate scalars costs more kernels per step: the Lotka–Volterra
         solve took 25-50% longer on CPU, its gradient 5-15%.
         """
-        floats = jnp.stack([self.s, self.h, self.ratio_prev, self.ratio])
-        ints = jnp.stack([jnp.asarray(v, jnp.int32) for v in self[4:]])
+        # On an Explicit mesh the scalars must share one sharding and batching.
+        floats = jnp.stack(_host.stackable([self.s, self.h, self.ratio_prev, self.ratio]))
+        ints = jnp.stack(_host.stackable([jnp.asarray(v, jnp.int32) for v in self[4:]]))
         return floats, ints
 
     @classmethod
@@ -182,7 +185,11 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         )
 
     h = jax.lax.cond(
-        h0 > 0, lambda _: jnp.minimum(h0, first_span).astype(dtype), auto_h, None
+        h0 > 0,
+        # shard_map: typed to vary as auto_h's result does (the branches must agree).
+        lambda _: _host.vary_like(jnp.minimum(h0, first_span).astype(dtype), (z0, k0)),
+        auto_h,
+        None,
     )
     dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
     degree = dense.shape[0]
@@ -291,7 +298,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             )
             return Carry(ctrl.pack(), z, cache, last_step, rec)
 
-        return jax.lax.while_loop(cond, body, carry)
+        return _host.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
@@ -316,7 +323,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         return carry, jnp.where(reached, y, jnp.nan)
 
     carry = Carry(ctrl.pack(), z0, cache, last_step, rec)
-    carry, ys = jax.lax.scan(per_time, carry, jnp.arange(1, T))
+    carry, ys = _host.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end

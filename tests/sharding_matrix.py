@@ -1,0 +1,227 @@
+"""The sharding matrix: every solver under every SPMD mode, on 8 simulated CPU devices.
+
+Run as a script (the XLA flag must be set before JAX starts, so tests/test_sharding.py
+runs it in a subprocess)::
+
+    python tests/sharding_matrix.py [--solvers a,b] [--modes m,n] [--checks c,d]
+
+It prints one line per case, ``CASE <solver> <mode> <check> <PASS|FAIL> <detail>``,
+and a table at the end. Modes: ``auto`` (a sharded ``jit`` on an Auto mesh),
+``explicit`` (an Explicit mesh, ``jax.set_mesh``), ``shard_map`` (``check_vma=True``),
+``pmap``. Checks: ``value``, ``grad`` (against the closed form), ``raise`` (one failing
+element of 64: a catchable error naming the global index 37, no abort), ``nan``
+(exactly the failed element is NaN).
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # not when collected by pytest: the flag is for this process
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import solvers  # noqa: E402
+
+N, BAD = 64, 37
+
+
+def cube(x, a):
+    return x**3 - a
+
+
+# Each problem: (batched solve fn(a, on_failure) over a (64,) batch, good a value,
+# bad a value, expected solution for the good value, expected d sum(x)/da per element).
+def _bisection(method):
+    def fn(a, on_failure):
+        return method(cube, 0.0, 10.0, a, on_failure=on_failure)
+
+    return fn, 8.0, 2000.0, 2.0, 1.0 / 12.0
+
+
+def _fixed_point(method):
+    def f(x, a):
+        return a * x + 1.0
+
+    def fn(a, on_failure):
+        def one(a):
+            x0 = jnp.zeros(3) if method == "anderson" else 0.0
+            x = solvers.fixed_point(f, x0, a, method=method, on_failure=on_failure,
+                                    max_steps=200)
+            return jnp.mean(x) if method == "anderson" else x
+
+        return jax.vmap(one)(a)
+
+    # Anderson solves a linear map exactly even where plain iteration diverges: NaN fails it.
+    return fn, 0.5, (float("nan") if method == "anderson" else 2.0), 2.0, 4.0
+
+
+def _whole(method):
+    """One fixed point of the whole (sharded) batch, as a DEQ layer is: the adjoint
+    is a GMRES solve over the sharded state (not vmapped)."""
+
+    def f(x, a):
+        return a * x + 1.0
+
+    def fn(a, on_failure):
+        return solvers.fixed_point(f, jnp.zeros_like(a), a, method=method,
+                                   on_failure=on_failure, max_steps=200,
+                                   linear_solver="gmres")
+
+    return fn, 0.5, (float("nan") if method == "anderson" else 2.0), 2.0, 4.0
+
+
+def _newton():
+    def F(x, a):
+        return x**2 - a
+
+    def fn(a, on_failure):
+        def one(a):
+            x = solvers.root(F, jnp.ones(2), a, on_failure=on_failure, max_steps=50)
+            return x[0]  # two unknowns: an LU solve per element
+
+        return jax.vmap(one)(a)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _odeint():
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        def one(k):
+            ys = solvers.odeint(rhs, jnp.float32(1.0), jnp.array([0.0, 1.0]), k,
+                                on_failure=on_failure, max_steps=60)
+            return ys[-1]
+
+        return jax.vmap(one)(a)
+
+    return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
+
+
+PROBLEMS = {
+    "bisection": lambda: _bisection(solvers.bisection),
+    "chandrupatla": lambda: _bisection(solvers.chandrupatla),
+    "fixed_point": lambda: _fixed_point("iterate"),
+    "anderson": lambda: _fixed_point("anderson"),
+    "whole_iterate": lambda: _whole("iterate"),
+    "whole_anderson": lambda: _whole("anderson"),
+    "newton": _newton,
+    "odeint": _odeint,
+}
+MODES = ("auto", "explicit", "shard_map", "pmap")
+CHECKS = ("value", "grad", "raise", "nan")
+
+
+def _run(mode, fn, a, on_failure, grad=False):
+    """``fn`` (or the gradient of ``sum(fn)``) over the batch ``a`` in ``mode``."""
+
+    def loss(a):
+        return jnp.sum(fn(a, on_failure))
+
+    if mode == "pmap":
+        def per_device(a):
+            return jax.grad(loss)(a) if grad else fn(a, on_failure)
+
+        out = jax.pmap(per_device)(a.reshape(8, -1))
+        return np.asarray(out).reshape(-1), None
+    kind = AxisType.Explicit if mode in ("explicit", "shard_map") else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("b",), axis_types=(kind,))
+    a = jax.device_put(a, NamedSharding(mesh, P("b")))
+    if mode == "shard_map":
+        def local(a):
+            return jax.grad(loss)(a) if grad else fn(a, on_failure)
+
+        g = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+        with jax.set_mesh(mesh):
+            out = jax.block_until_ready(g(a))
+    else:
+        g = jax.jit(jax.grad(loss) if grad else (lambda a: fn(a, on_failure)))
+        if mode == "explicit":
+            with jax.set_mesh(mesh):
+                out = jax.block_until_ready(g(a))
+        else:
+            out = jax.block_until_ready(g(a))
+    spec = getattr(out.sharding, "spec", None)
+    return np.asarray(out), spec
+
+
+def case(name, mode, check):
+    fn, good, bad, x_star, dx = PROBLEMS[name]()
+    a = jnp.full(N, good, jnp.float32)
+    if check in ("raise", "nan"):
+        a = a.at[BAD].set(bad)
+    if check == "value":
+        out, spec = _run(mode, fn, a, "raise")
+        ok = np.allclose(out, x_star, rtol=1e-3, atol=1e-4)
+        sharded = spec is None or tuple(spec)[:1] == ("b",)
+        return ok and sharded, f"max err {np.max(np.abs(out - x_star)):.1e}, out spec {spec}"
+    if check == "grad":
+        out, spec = _run(mode, fn, a, "raise", grad=True)
+        ok = np.allclose(out, dx, rtol=1e-2, atol=1e-4)
+        sharded = spec is None or tuple(spec)[:1] == ("b",)
+        return ok and sharded, f"max err {np.max(np.abs(out - dx)):.1e}, grad spec {spec}"
+    whole = name.startswith("whole")  # one solve: a failing element fails all of it
+    if check == "nan":
+        out, _ = _run(mode, fn, a, "nan")
+        nan = np.isnan(out)
+        if whole:  # the shard (or batch) holding the failure is NaN, the others not
+            return bool(nan[BAD]) and not nan.all() or (mode in ("auto", "explicit")
+                                                        and nan.all()), \
+                f"nan at {np.flatnonzero(nan).tolist()[:10]}..."
+        return (bool(nan[BAD]) and nan.sum() == 1), f"nan at {np.flatnonzero(nan).tolist()}"
+    try:
+        _run(mode, fn, a, "raise")
+    except Exception as err:  # noqa: BLE001 - any catchable error, its message checked
+        msg = str(err)
+        ok = "did not converge" in msg and (whole or f"first at index ({BAD},)" in msg)
+        tail = msg[msg.find("did not converge"):][:160].replace("\n", " ")
+        return ok, f"{type(err).__name__}: {tail}"
+    return False, "no error raised"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--solvers", default=",".join(PROBLEMS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--checks", default=",".join(CHECKS))
+    opts = parser.parse_args()
+    names, modes, checks = (opts.solvers.split(","), opts.modes.split(","),
+                            opts.checks.split(","))
+    assert jax.device_count() == 8, jax.devices()
+    table = {}
+    for name in names:
+        for mode in modes:
+            for check in checks:
+                try:
+                    ok, detail = case(name, mode, check)
+                except Exception as err:  # noqa: BLE001
+                    ok, detail = False, f"{type(err).__name__}: {str(err)[:300]}"
+                    if os.environ.get("SHARDING_TRACEBACK"):
+                        traceback.print_exc()
+                table[name, mode, check] = ok
+                detail = detail.replace("\n", " ")
+                print(f"CASE {name} {mode} {check} {'PASS' if ok else 'FAIL'} {detail}",
+                      flush=True)
+    print()
+    print(f"{'solver':14s} {'mode':10s} " + " ".join(f"{c:6s}" for c in checks))
+    for name in names:
+        for mode in modes:
+            cells = " ".join(f"{'pass' if table[name, mode, c] else 'FAIL':6s}" for c in checks)
+            print(f"{name:14s} {mode:10s} {cells}")
+    print("ALL PASS" if all(table.values()) else "SOME FAILED", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Solvers under JAX's SPMD machinery, on 8 simulated CPU devices (issue 11).
+
+The device-count flag must be set before JAX starts, so every check runs in a
+subprocess (tests/sharding_matrix.py, tests/multihost_worker.py, or a short script
+here); this test process keeps its single device.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: Cases that fail for reasons outside this library (see docs/scaling.md); none now.
+KNOWN_FAILURES: set = set()
+
+
+def _env(devices=8):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _matrix(*flags, timeout=540):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "sharding_matrix.py"), *flags],
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT,
+    )
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]  # never an abort (rc 134)
+    assert "Termination timeout" not in proc.stderr
+    cases = re.findall(r"^CASE (\S+) (\S+) (\S+) (PASS|FAIL) (.*)$", proc.stdout, re.M)
+    assert cases, proc.stdout[-2000:]
+    return proc, cases
+
+
+def _check(cases):
+    failed = [c for c in cases if c[3] == "FAIL" and (c[0], c[1]) not in KNOWN_FAILURES]
+    assert not failed, "\n".join(" ".join(c) for c in failed)
+
+
+def test_matrix_fast():
+    """Value, gradient, raise and NaN of an elementwise, a vmapped and a whole-batch
+    fixed-point, and a vmapped Newton solve under a sharded jit (Auto and Explicit
+    meshes), shard_map and pmap."""
+    _, cases = _matrix("--solvers", "bisection,fixed_point,whole_anderson,newton")
+    assert len(cases) == 4 * 4 * 4
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_matrix_full():
+    """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
+    and whole-batch, newton, odeint) x every mode x every check."""
+    _, cases = _matrix()
+    assert len(cases) == 8 * 4 * 4
+    _check(cases)
+
+
+def _script(body, timeout=240):
+    code = textwrap.dedent(
+        """
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        import solvers
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def test_issue_repro_raises_catchable_error_without_abort():
+    """The issue's repro: a catchable error with the global index (and, under
+    shard_map, the shard), no abort."""
+    proc = _script(
+        """
+        mesh = jax.make_mesh((8,), ('b',), axis_types=(AxisType.Auto,))
+        a = jax.device_put(jnp.full(64, 8.).at[37].set(2000.), NamedSharding(mesh, P('b')))
+        F = lambda x, a: x**3 - a
+        for name, f in [
+            ("jit", jax.jit(lambda a: solvers.bisection(F, 0., 10., a))),
+            ("shard_map", jax.jit(jax.shard_map(lambda a: solvers.bisection(F, 0., 10., a),
+                                                mesh=mesh, in_specs=P('b'), out_specs=P('b')))),
+        ]:
+            try:
+                jax.block_until_ready(f(a))
+            except Exception as err:
+                print("CAUGHT", name, str(err).replace("\\n", " "))
+        try:  # eager: the check runs after the computation, on the host
+            solvers.bisection(F, 0., 10., a)
+        except solvers.ConvergenceError as err:
+            print("EAGER", "first at index (37,)" in str(err))
+        print("END")
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "END" in out
+    assert "EAGER True" in out
+    jit_line = next(line for line in out.splitlines() if line.startswith("CAUGHT jit"))
+    smap_line = next(line for line in out.splitlines() if line.startswith("CAUGHT shard_map"))
+    for line in (jit_line, smap_line):
+        assert "solvers.bisection did not converge" in line
+        assert "first at index (37,)" in line
+    assert "shard 4 of 8 (local index (5,))" in smap_line
+    # (Known limit: JAX blocks on the failed execution's runtime tokens at interpreter
+    # exit and prints the caught error once more there; only its private API could stop
+    # that. The process still exits 0.)
+    assert proc.stderr.count("jax.pure_callback failed") <= 2  # once per failure
+
+
+def test_large_bracketed_solve_stays_sharded():
+    """>= 32,768 elements (the CPU chunking threshold): no chunking on a partitioned
+    mesh, so the result keeps its sharding (Auto and Explicit)."""
+    proc = _script(
+        """
+        for kind in (AxisType.Auto, AxisType.Explicit):
+            mesh = jax.make_mesh((8,), ('b',), axis_types=(kind,))
+            a = jax.device_put(jnp.full(65536, 8.), NamedSharding(mesh, P('b')))
+            with jax.set_mesh(mesh):
+                x = jax.jit(lambda a: solvers.bisection(lambda x, a: x**3 - a, 0., 10., a))(a)
+            print("SPEC", kind, x.sharding.spec, float(jnp.max(jnp.abs(x - 2.0))))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    specs = re.findall(r"SPEC \S+ (\S+) (\S+)", proc.stdout)
+    assert len(specs) == 2, proc.stdout
+    for spec, err in specs:
+        assert spec == "P('b',)"
+        assert float(err) < 1e-5
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes():
+    """A 2-process run (4 CPU devices each, jax.distributed on 127.0.0.1): a sharded
+    batched solve with gradients, and a catchable failure in both processes."""
+    port = str(_free_port())
+    worker = os.path.join(HERE, "multihost_worker.py")
+    procs = [
+        subprocess.Popen([sys.executable, worker, port, str(i)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"MULTIHOST OK {i}" in out, (out, err[-3000:])
