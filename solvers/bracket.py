@@ -245,7 +245,8 @@ def _solve(
                 stagnation_window=None,
             )
             x, residual = finish(state)
-            return x, residual, _final_status(state), info.num_steps, info.residual_history
+            status = _final_status(state, residual)
+            return x, residual, status, info.num_steps, info.residual_history
 
         if _chunked(shape) and not _spmd(out, lower, upper, args):
             x, residual, status, steps, history = _run_in_chunks(run, lower, upper, args)
@@ -374,18 +375,17 @@ def _next_flag(flag, active, f, converged):
 def _error(state):
     """The widest bracket still being refined (0 once every element is done)."""
     active = state.flag == _status.RUNNING
-    width = jnp.abs(state[2] - state[0])  # both states start with (lo, f_lo, hi, ...)
+    width = jnp.abs(state[1] - state[0])  # both states start with their two ends
     return jnp.max(jnp.where(active, width, 0.0), initial=0.0)
 
 
-def _final_status(state):
-    """Elementwise status: still refining is ``max_steps``; a converged bracket whose ends'
-    ``|F|`` grew beyond the starting bracket's closed on a pole or a jump, not a root."""
+def _final_status(state, residual):
+    """Elementwise status: still refining is ``max_steps``; a converged bracket on which
+    ``|F|`` at the answer exceeds ``|F|`` at both starting ends closed on a pole (or a
+    jump), not on a root (near a root ``|F|`` shrinks with the bracket)."""
     status = state.flag.astype(jnp.int32)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
-    f_ends = jnp.maximum(jnp.abs(state.f_lo), jnp.abs(state.f_hi))
-    exact = (state.f_lo == 0) | (state.f_hi == 0)  # an end on an exact root
-    pole = (status == _status.CONVERGED) & ~exact & (f_ends > state.f_start)
+    pole = (status == _status.CONVERGED) & (residual > state.f_start)
     return jnp.where(pole, _status.DISCONTINUITY, status)
 
 
@@ -400,9 +400,7 @@ def _final_status(state):
 
 class _Bisection(NamedTuple):
     a: Any  # F(a) <= 0 <= F(b) (the ends are swapped at the start if need be)
-    f_lo: Any  # F(a)
     b: Any
-    f_hi: Any  # F(b)
     f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the midpoint, evaluated
     fx: Any
@@ -419,27 +417,24 @@ def _bisection_init(fn, lower, upper):
     flag = _initial_flag(lower, upper, fa, fb)
     swap = fa > 0
     a, b = jnp.where(swap, upper, lower), jnp.where(swap, lower, upper)
-    f_lo, f_hi = jnp.where(swap, fb, fa), jnp.where(swap, fa, fb)
     # A zero at an end is the answer: collapse the bracket onto it.
     root = jnp.where(fa == 0, lower, upper)
     converged = flag == _status.CONVERGED
     a, b = jnp.where(converged, root, a), jnp.where(converged, root, b)
-    f_lo, f_hi = (jnp.where(converged, 0.0, v).astype(fa.dtype) for v in (f_lo, f_hi))
     f_start = jnp.maximum(jnp.abs(fa), jnp.abs(fb))
-    return _Bisection(a, f_lo, b, f_hi, f_start, *_midpoint(fn, a, b), flag)
+    return _Bisection(a, b, f_start, *_midpoint(fn, a, b), flag)
 
 
 def _bisection_step(fn, rtol, atol):
     def step(state):
-        a, f_lo, b, f_hi, f_start, x, fx, flag = state
+        a, b, f_start, x, fx, flag = state
         active = flag == _status.RUNNING
-        lo, hi = active & (fx <= 0), active & (fx >= 0)  # F(x) = 0: both ends move to x
-        a, f_lo = jnp.where(lo, x, a), jnp.where(lo, fx, f_lo)
-        b, f_hi = jnp.where(hi, x, b), jnp.where(hi, fx, f_hi)
+        a = jnp.where(active & (fx <= 0), x, a)  # F(x) = 0: both ends move to x
+        b = jnp.where(active & (fx >= 0), x, b)
         width = jnp.abs(b - a)
         converged = (width <= atol + rtol * jnp.abs(x)) | _cannot_shrink(a, b)
         flag = _next_flag(flag, active, fx, converged)
-        return _Bisection(a, f_lo, b, f_hi, f_start, *_midpoint(fn, a, b), flag)
+        return _Bisection(a, b, f_start, *_midpoint(fn, a, b), flag)
 
     return step
 
@@ -453,9 +448,9 @@ def _bisection_finish(state):
 
 class _Chandrupatla(NamedTuple):
     x1: Any  # the newest point; [x1, x2] brackets the root
-    f_lo: Any  # F(x1)
     x2: Any
-    f_hi: Any  # F(x2)
+    f1: Any
+    f2: Any
     x3: Any  # the previous point (for the interpolation)
     f3: Any
     f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
@@ -469,13 +464,13 @@ def _chandrupatla_init(fn, lower, upper):
     flag = _initial_flag(lower, upper, f1, f2)
     f_start = jnp.maximum(jnp.abs(f1), jnp.abs(f2))
     return _Chandrupatla(
-        lower, f1, upper, f2, upper, f2, f_start, *_midpoint(fn, lower, upper), flag,
+        lower, upper, f1, f2, upper, f2, f_start, *_midpoint(fn, lower, upper), flag,
     )
 
 
 def _chandrupatla_step(fn, rtol, atol):
     def step(state):
-        x1, f1, x2, f2, x3, f3, f_start, x, f, flag = state
+        x1, x2, f1, f2, x3, f3, f_start, x, f, flag = state
         active = flag == _status.RUNNING
         # Keep the bracket: the new point replaces the end of its own sign.
         same = (f < 0) == (f1 < 0)
@@ -509,18 +504,18 @@ def _chandrupatla_step(fn, rtol, atol):
         t = jnp.where(safe & jnp.isfinite(iqi), iqi, 0.5)
         limit = jnp.minimum(0.5 * tol / jnp.where(width > 0, width, 1.0), 0.5)
         x = x1 + jnp.clip(t, limit, 1 - limit) * (x2 - x1)
-        return _Chandrupatla(x1, f1, x2, f2, x3, f3, f_start, x, fn(x), flag)
+        return _Chandrupatla(x1, x2, f1, f2, x3, f3, f_start, x, fn(x), flag)
 
     return step
 
 
 def _chandrupatla_finish(state):
-    smaller = jnp.abs(state.f_lo) < jnp.abs(state.f_hi)
+    smaller = jnp.abs(state.f1) < jnp.abs(state.f2)
     x = jnp.where(smaller, state.x1, state.x2)
     # A bad bracket hands back its midpoint (with on_failure="ignore"), not one of its ends.
     bad = state.flag == _status.NO_SIGN_CHANGE
     x = jnp.where(bad, state.x1 + 0.5 * (state.x2 - state.x1), x)
-    return x, jnp.where(smaller, jnp.abs(state.f_lo), jnp.abs(state.f_hi))
+    return x, jnp.where(smaller, jnp.abs(state.f1), jnp.abs(state.f2))
 
 
 _METHODS = {
