@@ -153,6 +153,69 @@ def valid_times(ts):
     return jnp.all(jnp.isfinite(ts)) & jnp.all(jnp.diff(ts) > 0)
 
 
+def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl):
+    """One attempted step from a :class:`Controller` (the body of every stepping loop).
+
+    Returns ``(ctrl, z, cache, (accept, s, h, z_old, ks))``: the updated controller,
+    state and cache, and what the step was (whether it was accepted, its start, size,
+    initial state and stage derivatives). The forward loop and the discrete adjoint's
+    replay both run this, so a replay from a saved carry retakes the same steps.
+    """
+    dtype = z.dtype
+    i32 = jnp.int32
+    eps = jnp.finfo(dtype).eps
+    floor = jnp.asarray(_control.RATIO_FLOOR, dtype)
+    s, h = ctrl.s, ctrl.h
+    remaining = clip_to - s
+    # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
+    # replayed to end where an earlier run's step ended): that step lands too.
+    last = (h >= remaining) | (s + h >= clip_to)
+    h_proposed = h
+    h = jnp.where(last, remaining, h)
+    z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
+    ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
+    finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
+    accept = ok & finite & (ratio <= 1)
+    s1 = jnp.where(last, clip_to, s + h)
+    factor = _control.pi_factor(
+        ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
+    )
+    factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
+    h_next = h * factor
+    # A step shortened to end on a time says little about the next one.
+    h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
+    s_new = jnp.where(accept, s1, s)
+    z_new = jnp.where(accept, z1, z)
+    cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
+    underflow = ~accept & ~(h_next > 10 * eps * jnp.abs(s_new))  # NaN-safe
+    status = jnp.where(
+        underflow,
+        jnp.where(finite, _status.STEP_UNDERFLOW, _status.NONFINITE),
+        NOT_FAILED,
+    )
+    num_steps = ctrl.num_steps + 1
+    done = s_new >= t_end
+    # Out of steps: max_steps, unless the last step was not finite (then more
+    # steps would not have helped: f is NaN or inf there).
+    out_of_steps = (status == NOT_FAILED) & (num_steps >= budget) & ~done
+    status = jnp.where(
+        out_of_steps, jnp.where(finite, _status.MAX_STEPS, _status.NONFINITE), status
+    )
+    ctrl = Controller(
+        s=s_new,
+        h=h_next,
+        ratio_prev=jnp.where(accept, jnp.maximum(ratio, floor), ctrl.ratio_prev),
+        ratio=ratio,
+        num_steps=num_steps,
+        num_accepted=ctrl.num_accepted + accept.astype(i32),
+        num_fevals=ctrl.num_fevals + jnp.asarray(counts[0], i32),
+        num_jacobians=ctrl.num_jacobians + jnp.asarray(counts[1], i32),
+        num_factorizations=ctrl.num_factorizations + jnp.asarray(counts[2], i32),
+        status=status.astype(i32),
+    )
+    return ctrl, z_new, cache, (accept, s, h, z, ks)
+
+
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
@@ -220,6 +283,9 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         else None
     )
 
+    def attempt(ctrl, z, cache, clip_to):
+        return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl)
+
     def step_loop(target, carry):
         clip_to = target if jumps else t_end
 
@@ -230,65 +296,18 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         def body(c):
             ctrl, z, cache, last_step, rec = c
             ctrl = Controller.unpack(ctrl)
-            s, h = ctrl.s, ctrl.h
-            remaining = clip_to - s
-            # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
-            # replayed to end where an earlier run's step ended): that step lands too.
-            last = (h >= remaining) | (s + h >= clip_to)
-            h_proposed = h
-            h = jnp.where(last, remaining, h)
-            z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
-            ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
-            finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
-            accept = ok & finite & (ratio <= 1)
-            s1 = jnp.where(last, clip_to, s + h)
+            ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
             if not jumps:
-                new = LastStep(s, h, z, ks)
+                new = LastStep(s, h, z_old, ks)
                 last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
             if record:
-                slot = ctrl.num_accepted % B
-                new = Record(s, h, z, h * (dense @ ks), None)
+                slot = (ctrl.num_accepted - 1) % B
+                new = Record(s, h, z_old, h * (dense @ ks), None)
                 rec = jax.tree.map(
                     lambda buf, val: buf.at[slot].set(jnp.where(accept, val, buf[slot])),
                     rec,
                     new,
                 )
-            factor = _control.pi_factor(
-                ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
-            )
-            factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
-            h_next = h * factor
-            # A step shortened to end on a time says little about the next one.
-            h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
-            s_new = jnp.where(accept, s1, s)
-            z = jnp.where(accept, z1, z)
-            cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
-            underflow = ~accept & ~(h_next > 10 * eps * jnp.abs(s_new))  # NaN-safe
-            status = jnp.where(
-                underflow,
-                jnp.where(finite, _status.STEP_UNDERFLOW, _status.NONFINITE),
-                NOT_FAILED,
-            )
-            num_steps = ctrl.num_steps + 1
-            done = s_new >= t_end if not jumps else s_new >= ts[-1]
-            # Out of steps: max_steps, unless the last step was not finite (then more
-            # steps would not have helped: f is NaN or inf there).
-            out_of_steps = (status == NOT_FAILED) & (num_steps >= budget) & ~done
-            status = jnp.where(
-                out_of_steps, jnp.where(finite, _status.MAX_STEPS, _status.NONFINITE), status
-            )
-            ctrl = Controller(
-                s=s_new,
-                h=h_next,
-                ratio_prev=jnp.where(accept, jnp.maximum(ratio, floor), ctrl.ratio_prev),
-                ratio=ratio,
-                num_steps=num_steps,
-                num_accepted=ctrl.num_accepted + accept.astype(i32),
-                num_fevals=ctrl.num_fevals + jnp.asarray(counts[0], i32),
-                num_jacobians=ctrl.num_jacobians + jnp.asarray(counts[1], i32),
-                num_factorizations=ctrl.num_factorizations + jnp.asarray(counts[2], i32),
-                status=status.astype(i32),
-            )
             return Carry(ctrl.pack(), z, cache, last_step, rec)
 
         return jax.lax.while_loop(cond, body, carry)
