@@ -35,6 +35,9 @@ __all__ = [
 
 #: Status while the loop runs, and of a run that reached its end: ``_status.CONVERGED``.
 NOT_FAILED = _status.CONVERGED
+#: A backward pass only (never in ``info.status``): the state it reconstructed (the
+#: backsolve adjoint's ``y(t0)``, the discrete adjoint's replay) disagrees with the forward.
+DRIFT = 90
 
 
 class Stats(NamedTuple):
@@ -68,6 +71,11 @@ class Stepper(NamedTuple):
     beta2: float
     order: int  # exponent of the local error estimate (for the initial step)
     init_counts: tuple = (1, 0, 0)  # (fevals, jacobians, factorizations) spent by init
+    # ``diff_step(s, z, cache, h, ks) -> (z1, accept_cache, ks)``: the step as a function
+    # of ``z``, ``cache`` and the parameters ``rhs`` closes over, to differentiate with
+    # ``jax.vjp`` (the discrete adjoint); ``ks`` are the stage derivatives the step took
+    # (an implicit method linearises its stage equations there). None: ``step`` itself.
+    diff_step: Any = None
 
 
 class Record(NamedTuple):
@@ -146,6 +154,7 @@ class Carry(NamedTuple):
     cache: Any  # the stepper's cache (at least the derivative at the current point)
     last_step: Any  # LastStep (dense mode) or None
     rec: Any  # Record ring buffer (``start`` unset) or None
+    ck: Any = None  # checkpoints (packed controller, state, cache) every W accepted steps
 
 
 def valid_times(ts):
@@ -216,7 +225,8 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     return ctrl, z_new, cache, (accept, s, h, z, ks)
 
 
-def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None):
+def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
+         checkpoint=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -294,9 +304,17 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             return (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
 
         def body(c):
-            ctrl, z, cache, last_step, rec = c
+            ctrl, z, cache, last_step, rec, ck = c
             ctrl = Controller.unpack(ctrl)
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
+            if checkpoint:
+                hit = accept & (ctrl.num_accepted % W == 0)
+                slot = jnp.minimum(ctrl.num_accepted // W, C - 1)
+                ck = jax.tree.map(
+                    lambda buf, val: buf.at[slot].set(jnp.where(hit, val, buf[slot])),
+                    ck,
+                    (ctrl.pack(), z, cache),
+                )
             if not jumps:
                 new = LastStep(s, h, z_old, ks)
                 last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
@@ -308,14 +326,14 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                     rec,
                     new,
                 )
-            return Carry(ctrl.pack(), z, cache, last_step, rec)
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck)
 
         return jax.lax.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
         carry = step_loop(target, carry)
-        ctrl, z, cache, last_step, rec = carry
+        ctrl, z, cache, last_step, rec, ck = carry
         ctrl = Controller.unpack(ctrl)
         reached = (ctrl.s >= target) & valid
         if jumps:
@@ -327,14 +345,21 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             ctrl = ctrl._replace(
                 num_fevals=ctrl.num_fevals + interior.astype(i32) * stepper.init_counts[0]
             )
-            return Carry(ctrl.pack(), z, cache, last_step, rec), None
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck), None
         y = last_step.z + _horner(
             last_step.h * (dense @ last_step.ks), (target - last_step.s) / last_step.h
         )
         y = jnp.where(target == ctrl.s, z, y)
         return carry, jnp.where(reached, y, jnp.nan)
 
-    carry = Carry(ctrl.pack(), z0, cache, last_step, rec)
+    ck = None
+    if checkpoint:
+        W, C = checkpoint
+        ck = jax.tree.map(
+            lambda v: jnp.zeros((C,) + jnp.shape(v), jnp.result_type(v)).at[0].set(v),
+            (ctrl.pack(), z0, cache),
+        )
+    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck)
     carry, ys = jax.lax.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
@@ -357,6 +382,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     if jumps:
         return jnp.where(valid, z, jnp.nan), stats
     ys = jnp.concatenate([z0[None], ys])
+    if checkpoint:
+        return ys, stats, carry.ck
     if not record:
         return ys, stats
     n_acc = ctrl.num_accepted
@@ -367,17 +394,21 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     return ys, stats, rec._replace(start=start)
 
 
-def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0):
+def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
+              checkpoint=None):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
     ``h0 <= 0`` asks for the automatic initial step; ``budget`` caps the attempted steps.
     ``rhs_u(u, s)`` (the controlled components' derivative) is used by the initial-step
     heuristic only. With ``record=B > 0`` also return the :class:`Record` of the last
-    ``B`` accepted steps.
+    ``B`` accepted steps. With ``checkpoint=(W, C)`` return instead ``(zs, Stats, ck)``:
+    ``ck[c]`` is the loop's carry ``(Controller.pack(), z, cache)`` after ``c·W`` accepted
+    steps (``C`` slots; ``ck[0]`` the initial one), from which :func:`_attempt` replays
+    the following steps exactly (the discrete adjoint).
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
-                record=record)
+                record=record, checkpoint=checkpoint)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

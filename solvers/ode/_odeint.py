@@ -20,7 +20,7 @@ __all__ = ["odeint", "ODEInfo", "METHODS"]
 
 METHODS = ("dopri5", "tsit5", "kvaerno5")
 STIFF_METHODS = ("kvaerno5",)
-ADJOINTS = ("backsolve", "interpolate")
+ADJOINTS = ("discrete", "backsolve", "interpolate")
 DEFAULT_MAX_STEPS = 10_000
 
 
@@ -152,7 +152,7 @@ def odeint(
     ):
         _checks.check_positive(value, name)
     if adjoint is None:
-        adjoint = "interpolate" if method in STIFF_METHODS else "backsolve"
+        adjoint = "discrete"
     _checks.check_choice(adjoint, "adjoint", ADJOINTS)
     _checks.check_max_steps(adjoint_window, "adjoint_window")
     _checks.check_args(args)
@@ -223,6 +223,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, c
         report=report,
         adjoint=adjoint,
         window=window,
+        max_steps=max_steps,
     )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
     zs, stats = solve(y0_flat, ts, theta, const, ctl)
@@ -253,6 +254,13 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, c
 
 def _why(status, max_steps, solver, *, backward=False):
     """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
+    if status == _integrate.DRIFT:
+        return (
+            "the state reconstructed by the backward pass drifted away from the forward "
+            "solution (integrating the state backwards is unstable for dissipative or "
+            "stiff dynamics; the gradient would be wrong)",
+            "use the default adjoint='discrete', or tighten adjoint_rtol/adjoint_atol",
+        )
     tols = "adjoint_rtol/adjoint_atol" if backward else "rtol/atol"
     if status == _status.MAX_STEPS:
         why, _ = _status.explain(status, max_steps=max_steps)
@@ -324,9 +332,10 @@ def _report_backward(status, t_fail, *, solver, max_steps):
         if code == _integrate.NOT_FAILED:
             return
         why, advice = _why(code, max_steps, solver, backward=True)
+        name = "drift" if code == _integrate.DRIFT else _status.status_name(code)
         raise _runner.ConvergenceError(
             f"{solver}: the adjoint (backward) integration failed{where} at "
-            f"t={float(t_fail[first]):.6g}, status {_status.status_name(code)!r}: {why}. "
+            f"t={float(t_fail[first]):.6g}, status {name!r}: {why}. "
             f"To fix: {advice}; or pass on_failure='nan'."
         )
 
