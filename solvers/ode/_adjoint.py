@@ -23,9 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from solvers import _status
-from solvers.ode import _integrate
+from solvers.ode import _control, _integrate
 
-__all__ = ["make_solve"]
+__all__ = ["make_solve", "DRIFT_LIMIT"]
+
+#: The backsolve adjoint fails (status drift) when the state it integrates backwards
+#: comes back further than this from a stored output, in units of the adjoint tolerances
+#: (the weighted RMS norm of the step control).
+DRIFT_LIMIT = 100.0
 
 
 def _flat(tree, dtype):
@@ -56,8 +61,8 @@ def _first_order_only_fwd(out, *dependencies):
 
 def _first_order_only_bwd(_, g):
     raise NotImplementedError(
-        "solvers.odeint: the interpolating adjoint (the default of stiff methods) gives "
-        "first derivatives only; for higher derivatives pass adjoint='backsolve'"
+        "solvers.odeint: the discrete adjoint (the default) and the interpolating adjoint "
+        "give first derivatives only; for higher derivatives pass adjoint='backsolve'"
     )
 
 
@@ -164,24 +169,41 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         n_u = n_ctrl
         n_c = n_u + N
 
+        # The last component (not controlled, zero slope) keeps the largest drift of the
+        # backward-integrated state from the stored outputs, in units of the tolerance.
         def rhs(v, r):
-            u, lam = v[:n_u], v[n_u:]
+            u, lam = v[:n_u], v[n_u:n_c]
             dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
             u_bar, theta_bar = vjp(lam)
             zeros = jnp.zeros((N - n_u,), dtype)
-            return jnp.concatenate([-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype)])
+            return jnp.concatenate(
+                [-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype), jnp.zeros((1,), dtype)]
+            )
+
+        def drift(u, k):
+            return _control.error_ratio(u - zs[k, :n_u], u, zs[k, :n_u], adj_rtol, adj_atol,
+                                        n_u)
 
         def jump(j, z):
             k = T - 1 - j
-            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:]])
+            worst = jnp.maximum(z[-1], drift(z[:n_u], k))
+            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:-1], worst[None]])
 
         stepper = make_stepper(rhs, n_c, rtol=adj_rtol, atol=adj_atol)
-        z0 = jnp.concatenate([zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0])
+        z0 = jnp.concatenate(
+            [zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0, jnp.zeros((1,), dtype)]
+        )
         end, st = _integrate.integrate_jumps(
             stepper, lambda v, r: rhs(v, r)[:n_c], z0, -ts[::-1], adj_rtol, adj_atol,
             jnp.zeros((), dtype), budget, n_c, jump,
         )
-        return end[n_u:n_c], end[n_c:], st.status, -st.t
+        worst = jnp.maximum(end[-1], drift(end[:n_u], 0))
+        # Integrating the state backwards is unstable for dissipative dynamics: a state
+        # that comes back far from the forward one means a wrong gradient. Fail instead.
+        drifted = (st.status == _integrate.NOT_FAILED) & ~(worst <= DRIFT_LIMIT)
+        status = jnp.where(drifted, _integrate.DRIFT, st.status)
+        t_fail = jnp.where(drifted, ts[0], -st.t)
+        return end[n_u:n_c], end[n_c:-1], status, t_fail
 
     @jax.custom_vjp
     def backsolve(zs, ts, theta, const, ctl, gz):
@@ -258,7 +280,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             t = -r
             y = _integrate.interpolate(record, t)
             _, vjp = jax.vjp(lambda u, th: G(u, t, th, const), y, theta)
-            u_bar, theta_bar = vjp(lam)
+            u_bar, theta_bar = vjp(lam[:n])
             return jnp.concatenate([u_bar, _flat(theta_bar, dtype)])
 
         return G_lam
@@ -272,11 +294,17 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             budget, n, record=window,
         )
         G_lam = adjoint_rhs(record)
-        backward = make_stepper(G_lam, n, rtol=adj_rtol, atol=adj_atol)
+        # The parameter cotangents are step-controlled too (not a seminorm): their
+        # integrand λ·∂f/∂θ(y) follows y's fast transients, which nothing else here
+        # resolves (y is interpolated, not integrated). Leaving them out let the backward
+        # steps stride over those transients: gradient errors of 1e-4 at rtol 1e-8 (one
+        # eigenvalue -100), growing with stiffness and with the window (issue 10).
+        nc = n + theta_bar.shape[0]
+        backward = make_stepper(G_lam, nc, rtol=adj_rtol, atol=adj_atol)
         z2 = jnp.concatenate([lam, theta_bar])
         out, st_b = _integrate.integrate(
-            backward, lambda v, r: G_lam(v, r)[:n], z2, jnp.stack([-end, -record.start]),
-            adj_rtol, adj_atol, h, left, n,
+            backward, lambda v, r: G_lam(v, r)[:nc], z2, jnp.stack([-end, -record.start]),
+            adj_rtol, adj_atol, h, left, nc,
         )
         fail_f = st_f.status != _integrate.NOT_FAILED
         new_status = jnp.where(fail_f, st_f.status, st_b.status)
@@ -460,12 +488,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         return lam_z, dcache, theta_bar + _flat(dtheta, dtype)
 
     def segment(carry):
-        c, lam_z, lam_cache, theta_bar, status = carry
+        c, lam_z, lam_cache, theta_bar, status, t_fail = carry
         count, expected, buf = replay(c)
-        mismatch = count != expected
-        status = jnp.where(
-            (status == _integrate.NOT_FAILED) & mismatch, _integrate.DRIFT, status
-        )
 
         def body(j, inner):
             return back_step(count - 1 - j, inner, buf)
@@ -473,7 +497,15 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lam_z, lam_cache, theta_bar = jax.lax.fori_loop(
             0, count, body, (lam_z, lam_cache, theta_bar)
         )
-        return c - 1, lam_z, lam_cache, theta_bar, status
+        # The replay did not retake the forward's steps (never expected), or the cotangent
+        # became NaN or inf (f's derivative is not finite there): fail, never a number.
+        finite = jnp.isfinite(jnp.sum(lam_z) + jnp.sum(theta_bar))
+        new = jnp.where(count != expected, _integrate.DRIFT,
+                        jnp.where(finite, _integrate.NOT_FAILED, _status.NONFINITE))
+        first = (status == _integrate.NOT_FAILED) & (new != _integrate.NOT_FAILED)
+        status = jnp.where(first, new, status)
+        t_fail = jnp.where(first, buf[0][0], t_fail)
+        return c - 1, lam_z, lam_cache, theta_bar, status, t_fail
 
     n_seg = (n_acc + W - 1) // W
     init = (
@@ -482,8 +514,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         jax.tree.map(jnp.zeros_like, cache_like),
         _flat(theta, dtype) * 0,
         jnp.asarray(_integrate.NOT_FAILED, i32),
+        ts[0],
     )
-    _, lam_z, lam_cache, theta_bar, status = jax.lax.while_loop(
+    _, lam_z, lam_cache, theta_bar, status, t_fail = jax.lax.while_loop(
         lambda c: c[0] >= 0, segment, init
     )
     # The first cache (the derivative at y0) is a function of y0 and the parameters.
@@ -495,7 +528,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     if on_failure == "nan":  # a failed forward pass: NaN gradients too
         status = jnp.where(forward_status != _integrate.NOT_FAILED, forward_status, status)
     z0_bar, ts_bar, theta_bar = _finish(
-        rhs, zs, ts, gz, lam, theta_bar, status, ts[0], on_failure=on_failure, report=report
+        rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
     z0_bar, ts_bar, theta_bar = _first_order_only(
         (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
