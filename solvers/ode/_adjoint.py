@@ -32,6 +32,9 @@ __all__ = ["make_solve", "DRIFT_LIMIT"]
 #: (the weighted RMS norm of the step control).
 DRIFT_LIMIT = 100.0
 
+#: The discrete adjoint's checkpoint slots (memory: this many states, whatever max_steps).
+NUM_CHECKPOINTS = 128
+
 
 def _flat(tree, dtype):
     leaves = jax.tree.leaves(tree)
@@ -101,8 +104,9 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_fwd(z0, ts, theta, const, ctl):
         if adjoint == "discrete":
-            # Checkpoints of the loop every `window` accepted steps, for the replay.
-            checkpoint = (window, int(max_steps) // window + 1)
+            # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
+            # when there are more than NUM_CHECKPOINTS of them), for the replay.
+            checkpoint = (window, NUM_CHECKPOINTS)
             zs, stats, ck = run(z0, ts, theta, const, ctl, checkpoint=checkpoint)
             res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status)
             return (zs, stats), res
@@ -404,7 +408,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     continuous extension of the step containing ``t_j`` (or the state at its end), as in
     the forward loop, so its cotangent enters through that step. Nothing is integrated
     backwards: stable for any stiffness, and the result does not depend on ``window``
-    (memory only: ``max_steps // window + 1`` checkpoints plus ``window`` steps).
+    (memory only: ``NUM_CHECKPOINTS`` = 128 checkpoints, whatever ``max_steps``, plus
+    ``window`` steps; past 128 x ``window`` steps the checkpoints thin out to every
+    2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed from the
+    nearest one: up to that spacing in extra replayed steps per block).
     """
     zs, ts, theta, const, ctl, ck, n_acc, forward_status = jax.tree.map(
         jax.lax.stop_gradient, res
@@ -425,14 +432,16 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     stepper = stepper_of(theta)
     dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
     degree = dense.shape[0]
-    cache_like = jax.tree.map(lambda b: b[0], ck[2])
+    bufs, spacing = ck
+    cache_like = jax.tree.map(lambda b: b[0], bufs[2])
     stages = dense.shape[1]
 
-    def replay(c):
-        """The accepted steps ``c·W ..`` (at most W): (count, s, h, s1, z, cache, ks)."""
-        packed, z, cache = jax.tree.map(lambda b: b[c], ck)
-        target = jnp.minimum((c + 1) * W, n_acc)
-        first = c * W
+    def replay(blk):
+        """The accepted steps ``blk·W ..`` (at most W): (count, s, h, s1, z, cache, ks),
+        replayed from the last checkpoint at or before them."""
+        first = blk * W
+        packed, z, cache = jax.tree.map(lambda b: b[first // spacing], bufs)
+        target = jnp.minimum(first + W, n_acc)
         buf = (
             jnp.zeros((W,), dtype),
             jnp.ones((W,), dtype),
@@ -456,9 +465,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             new, z1, cache1, (accept, s, h, z_old, ks) = _integrate._attempt(
                 stepper, ctrl, z, cache, t_end, t_end, budget, rtol, atol, n
             )
+            keep = accept & (ctrl.num_accepted >= first)
             row = (s, h, new.s, z_old, cache, ks)
             buf = jax.tree.map(
-                lambda b, v: b.at[slot].set(jnp.where(accept, v, b[slot])), buf, row
+                lambda b, v: b.at[slot].set(jnp.where(keep, v, b[slot])), buf, row
             )
             return new.pack(), z1, cache1, buf, tries + 1
 
@@ -507,9 +517,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         t_fail = jnp.where(first, buf[0][0], t_fail)
         return c - 1, lam_z, lam_cache, theta_bar, status, t_fail
 
-    n_seg = (n_acc + W - 1) // W
+    n_blocks = (n_acc + W - 1) // W
     init = (
-        n_seg - 1,
+        n_blocks - 1,
         jnp.zeros((n,), dtype),
         jax.tree.map(jnp.zeros_like, cache_like),
         _flat(theta, dtype) * 0,

@@ -225,6 +225,29 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     return ctrl, z_new, cache, (accept, s, h, z, ks)
 
 
+def _save_checkpoint(ck, accept, ctrl, z, cache, C):
+    """Keep the carry every ``spacing`` accepted steps in ``C`` slots (``spacing`` doubles,
+    and every other checkpoint is dropped, when they are full: memory stays ``C`` states)."""
+    bufs, spacing = ck
+    hit = accept & (ctrl.num_accepted % spacing == 0)
+    full = hit & (ctrl.num_accepted // spacing >= C)
+
+    def thin(bufs):
+        return jax.tree.map(
+            lambda b: jnp.concatenate([b[0::2], jnp.zeros_like(b[: C - (C + 1) // 2])]), bufs
+        )
+
+    bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
+    spacing = jnp.where(full, 2 * spacing, spacing)
+    slot = jnp.minimum(ctrl.num_accepted // spacing, C - 1)
+    bufs = jax.tree.map(
+        lambda buf, val: buf.at[slot].set(jnp.where(hit, val, buf[slot])),
+        bufs,
+        (ctrl.pack(), z, cache),
+    )
+    return bufs, spacing
+
+
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
          checkpoint=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
@@ -307,13 +330,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             ctrl = Controller.unpack(ctrl)
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
             if checkpoint:
-                hit = accept & (ctrl.num_accepted % W == 0)
-                slot = jnp.minimum(ctrl.num_accepted // W, C - 1)
-                ck = jax.tree.map(
-                    lambda buf, val: buf.at[slot].set(jnp.where(hit, val, buf[slot])),
-                    ck,
-                    (ctrl.pack(), z, cache),
-                )
+                ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
                 new = LastStep(s, h, z_old, ks)
                 last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
@@ -354,10 +371,11 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     ck = None
     if checkpoint:
         W, C = checkpoint
-        ck = jax.tree.map(
+        bufs = jax.tree.map(
             lambda v: jnp.zeros((C,) + jnp.shape(v), jnp.result_type(v)).at[0].set(v),
             (ctrl.pack(), z0, cache),
         )
+        ck = (bufs, jnp.asarray(W, i32))
     carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck)
     carry, ys = jax.lax.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
@@ -401,10 +419,12 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     ``h0 <= 0`` asks for the automatic initial step; ``budget`` caps the attempted steps.
     ``rhs_u(u, s)`` (the controlled components' derivative) is used by the initial-step
     heuristic only. With ``record=B > 0`` also return the :class:`Record` of the last
-    ``B`` accepted steps. With ``checkpoint=(W, C)`` return instead ``(zs, Stats, ck)``:
-    ``ck[c]`` is the loop's carry ``(Controller.pack(), z, cache)`` after ``c·W`` accepted
-    steps (``C`` slots; ``ck[0]`` the initial one), from which :func:`_attempt` replays
-    the following steps exactly (the discrete adjoint).
+    ``B`` accepted steps. With ``checkpoint=(W, C)`` return instead ``(zs, Stats, ck)``,
+    ``ck = (bufs, spacing)``: ``bufs[c]`` is the loop's carry ``(Controller.pack(), z,
+    cache)`` after ``c·spacing`` accepted steps (``C`` slots, ``C`` even; ``bufs[0]`` the
+    initial one; ``spacing`` starts at ``W`` and doubles whenever the slots are full),
+    from which :func:`_attempt` replays the following steps exactly (the discrete
+    adjoint).
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
                 record=record, checkpoint=checkpoint)

@@ -91,8 +91,10 @@ def odeint(
     backward pass replays each segment's steps from its checkpoint and runs the cotangent
     back through them (one ``jax.vjp`` per step, step sizes held fixed). Nothing is
     integrated backwards, so it is stable for any stiffness, and its result does not
-    depend on ``adjoint_window`` (memory: ``max_steps // adjoint_window + 1``
-    checkpoints plus ``adjoint_window`` steps). First derivatives only. On linear test
+    depend on ``adjoint_window`` (memory: 128 checkpoints, whatever ``max_steps``, plus
+    ``adjoint_window`` steps; past 128 x ``adjoint_window`` accepted steps the
+    checkpoints thin out and blocks are replayed from further back). First derivatives
+    only. On linear test
     problems with eigenvalues from -1 to -1e5 its relative error is within 100x ``rtol``
     (docs/ode.md: the error contract). ``adjoint="backsolve"`` is the continuous adjoint
     with the state integrated backwards (``adjoint_rtol``/``adjoint_atol``, by default
