@@ -257,8 +257,8 @@ def test_van_der_pol_stiff_gradient_matches_finite_differences(x64):
 @pytest.mark.slow
 @pytest.mark.xfail(reason="open (issue 10): at rtol 1e-6 the gradient is -0.388 (discrete) "
                    "or -3.8 (interpolate) against -0.00353; 5% off at 1e-8, 0.4% at 1e-9. "
-                   "d y(T)/d mu is a small difference of large sensitivities across the jumps, "
-                   "which the steps chosen for y (forward or backward) do not resolve; "
+                   "likely (unconfirmed) a small difference of large sensitivities across the "
+                   "jumps, which the steps chosen for y (forward or backward) do not resolve; "
                    "finite differences of the rtol-1e-6 solves are right.", strict=False)
 def test_van_der_pol_stiff_gradient_at_rtol_1e6(x64):
     _vdp_check(1e-6)
