@@ -35,6 +35,12 @@ DRIFT_LIMIT = 100.0
 #: The discrete adjoint's checkpoint slots (memory: this many states, whatever max_steps).
 NUM_CHECKPOINTS = 128
 
+#: Substeps of an explicit step whose adjoint local error estimate exceeds the tolerance.
+REFINE = 16
+#: ... when the estimate exceeds this many times the forward tolerances (an estimate
+#: near 1 is the norm: the steps were chosen to make y's own estimate about 1).
+REFINE_LIMIT = 1e4
+
 
 def _flat(tree, dtype):
     leaves = jax.tree.leaves(tree)
@@ -478,9 +484,28 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         count = _integrate.Controller.unpack(packed).num_accepted - first
         return count, target - first, buf
 
+    explicit = stepper.diff_step is None
+
     def step_fn(z, cache, theta, s, h, ks_star):
-        z1, cache1, ks = _diff_step(stepper_of(theta))(s, z, cache, h, ks_star)
-        return z1, cache1, h * (dense @ ks)
+        st = stepper_of(theta)
+        if explicit:
+            z1, err, ks, cache1, _, _, _ = st.step(s, z, cache, h)
+            return z1, cache1, h * (dense @ ks), err
+        z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
+        return z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+
+    def substeps(z, theta, s, h):
+        # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
+        # derivative there (the next step's FSAL cache).
+        st = stepper_of(theta)
+        hs = h / REFINE
+
+        def body(i, z):
+            si = s + i * hs
+            return st.step(si, z, st.init(si, z), hs)[0]
+
+        z1 = jax.lax.fori_loop(0, REFINE, body, z)
+        return z1, st.init(s + h, z1)
 
     powers = jnp.arange(1, degree + 1, dtype=dtype)
 
@@ -493,7 +518,37 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lam_z1 = lam_z + exact @ gz
         weights = (inside[:, None] * frac[:, None] ** powers[None, :]).T @ gz  # (degree, n)
         _, vjp = jax.vjp(lambda z, c, th: step_fn(z, c, th, s, h, ks), z, cache, theta)
-        dz, dcache, dtheta = vjp((lam_z1, lam_cache, weights))
+        zero_z, zero_c = jnp.zeros_like(z), jax.tree.map(jnp.zeros_like, lam_cache)
+        if explicit:
+            # The adjoint's local error estimate: the cotangent through the embedded pair's
+            # error estimate (one batched transpose with the cotangent itself). The steps
+            # were chosen for y alone; where they do not resolve the linearised dynamics
+            # (an exactly-zero solution: zero error estimates, steps growing tenfold), the
+            # step is differentiated as REFINE substeps (the derivative of a more
+            # accurate step, no longer of the computed one).
+            both = jax.tree.map(
+                lambda a, b: jnp.stack([a, b]),
+                (lam_z1, lam_cache, weights, zero_z),
+                (zero_z, zero_c, jnp.zeros_like(weights), lam_z1),
+            )
+            out = jax.vmap(vjp)(both)
+            dz, dcache, dtheta = jax.tree.map(lambda v: v[0], out)
+            ez = out[0][1]
+            scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
+            ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
+
+            def refined(_):
+                _, vjp2 = jax.vjp(lambda z, th: substeps(z, th, s, h), z, theta)
+                dz2, dth2 = vjp2((lam_z1, lam_cache))
+                # Outputs inside the step still come from its own continuous extension.
+                dzc, dcc, dthc = vjp((zero_z, zero_c, weights, zero_z))
+                return dz2 + dzc, dcc, jax.tree.map(jnp.add, dth2, dthc)
+
+            dz, dcache, dtheta = jax.lax.cond(
+                ratio > REFINE_LIMIT, refined, lambda _: (dz, dcache, dtheta), None
+            )
+        else:
+            dz, dcache, dtheta = vjp((lam_z1, lam_cache, weights, zero_z))
         lam_z = dz + inside @ gz
         return lam_z, dcache, theta_bar + _flat(dtheta, dtype)
 
