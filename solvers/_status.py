@@ -17,6 +17,8 @@ names. ``0`` is success; every other code is a failure that follows ``on_failure
                           ``|F|`` did not shrink with the bracket
 ``step_underflow``        an ODE step size fell below what floating point can resolve
 ``invalid_input``         an input checked at run time (traced ``ts`` not increasing)
+``drift``                 an ODE ``backsolve`` adjoint's backward-integrated state left
+                          the stored forward solution (or a replay missed its steps)
 ========================  ======================================================
 """
 
@@ -36,6 +38,7 @@ __all__ = [
     "DISCONTINUITY",
     "STEP_UNDERFLOW",
     "INVALID_INPUT",
+    "DRIFT",
     "RUNNING",
     "STATUSES",
     "status_name",
@@ -53,6 +56,7 @@ STATUSES = (
     "discontinuity",
     "step_underflow",
     "invalid_input",
+    "drift",
 )
 (
     CONVERGED,
@@ -65,6 +69,7 @@ STATUSES = (
     DISCONTINUITY,
     STEP_UNDERFLOW,
     INVALID_INPUT,
+    DRIFT,
 ) = range(len(STATUSES))
 #: Inside a loop only: not stopped yet. Never returned in ``info.status``.
 RUNNING = -1
@@ -158,4 +163,10 @@ def explain(code, *, max_steps=None):
         )
     if code == INVALID_INPUT:
         return ("an input checked at run time is invalid", "fix the input")
+    if code == DRIFT:
+        return (
+            "the state reconstructed by the backward pass drifted away from the forward "
+            "solution (integrating a dissipative system backwards is unstable)",
+            "use the default adjoint instead of adjoint='backsolve'",
+        )
     return (f"unknown status {code}", "report this as a bug")

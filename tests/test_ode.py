@@ -225,12 +225,13 @@ def test_interpolating_adjoint_with_small_window(x64):
 
 
 def test_adjoint_tolerances_knob(x64):
-    # With an accurate forward pass, the backward tolerances set the gradient's error.
+    # With an accurate forward pass, the backward tolerances set the gradient's error
+    # (of the continuous adjoints: the discrete one has no backward tolerances).
     p = jnp.array(LV_PARAMS)
 
     def err(adjoint_tol):
-        g = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint_rtol=adjoint_tol,
-                              adjoint_atol=adjoint_tol)
+        g = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint="backsolve",
+                              adjoint_rtol=adjoint_tol, adjoint_atol=adjoint_tol)
         return np.max(np.abs(g - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF))
 
     assert err(1e-4) > 3e-5  # a loose backward pass shows
@@ -279,7 +280,8 @@ def test_vmap_over_initial_conditions_and_jit(x64):
 def test_grad_of_grad(x64):
     # d²/dk² y(2) for y = exp(-k t): 4 exp(-2k).
     def final(k):
-        return odeint(decay, 1.0, jnp.array([0.0, 1.0, 2.0]), k, rtol=1e-10, atol=1e-12)[-1]
+        return odeint(decay, 1.0, jnp.array([0.0, 1.0, 2.0]), k, rtol=1e-10, atol=1e-12,
+                      adjoint="backsolve")[-1]
 
     np.testing.assert_allclose(jax.grad(jax.grad(final))(0.7), 4 * np.exp(-1.4), rtol=1e-6)
 
@@ -387,7 +389,8 @@ def test_backward_failure_follows_on_failure(x64):
     # The forward pass fits in max_steps; the much tighter backward pass does not.
     def loss(k, on_failure):
         ys = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, rtol=1e-3, atol=1e-3, max_steps=40,
-                    adjoint_rtol=1e-13, adjoint_atol=1e-13, on_failure=on_failure)
+                    adjoint="backsolve", adjoint_rtol=1e-13, adjoint_atol=1e-13,
+                    on_failure=on_failure)
         return ys[-1]
 
     assert np.isnan(jax.grad(loss)(0.5, "nan"))

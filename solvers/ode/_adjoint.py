@@ -25,9 +25,23 @@ import jax.numpy as jnp
 from implicit import _host
 
 from solvers import _status
-from solvers.ode import _integrate
+from solvers.ode import _control, _integrate
 
-__all__ = ["make_solve"]
+__all__ = ["make_solve", "DRIFT_LIMIT"]
+
+#: The backsolve adjoint fails (status drift) when the state it integrates backwards
+#: comes back further than this from a stored output, in units of the adjoint tolerances
+#: (the weighted RMS norm of the step control).
+DRIFT_LIMIT = 100.0
+
+#: The discrete adjoint's checkpoint slots (memory: this many states, whatever max_steps).
+NUM_CHECKPOINTS = 128
+
+#: Substeps of an explicit step whose adjoint local error estimate exceeds the tolerance.
+REFINE = 16
+#: ... when the estimate exceeds this many times the forward tolerances (an estimate
+#: near 1 is the norm: the steps were chosen to make y's own estimate about 1).
+REFINE_LIMIT = 1e4
 
 
 def _flat(tree, dtype):
@@ -58,15 +72,16 @@ def _first_order_only_fwd(out, *dependencies):
 
 def _first_order_only_bwd(_, g):
     raise NotImplementedError(
-        "solvers.odeint: the interpolating adjoint (the default of stiff methods) gives "
-        "first derivatives only; for higher derivatives pass adjoint='backsolve'"
+        "solvers.odeint: the discrete adjoint (the default) and the interpolating adjoint "
+        "give first derivatives only; for higher derivatives pass adjoint='backsolve'"
     )
 
 
 _first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
 
 
-def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64):
+def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64,
+               max_steps=None):
     """A differentiable ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``G(u, s, theta, const)`` returns the derivative of the whole state; ``theta`` is a
@@ -79,7 +94,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     ``window``: the interpolating adjoint's step buffer.
     """
 
-    def run(z0, ts, theta, const, ctl):
+    def run(z0, ts, theta, const, ctl, checkpoint=None):
         rtol, atol, _, _, h0, budget = ctl
 
         def rhs(u, s):
@@ -87,7 +102,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
         return _integrate.integrate(
-            stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl
+            stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
+            checkpoint=checkpoint,
         )
 
     @jax.custom_vjp
@@ -95,6 +111,13 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         return run(z0, ts, theta, const, ctl)
 
     def solve_fwd(z0, ts, theta, const, ctl):
+        if adjoint == "discrete":
+            # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
+            # when there are more than NUM_CHECKPOINTS of them), for the replay.
+            checkpoint = (window, NUM_CHECKPOINTS)
+            zs, stats, ck = run(z0, ts, theta, const, ctl, checkpoint=checkpoint)
+            res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status)
+            return (zs, stats), res
         # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
         # uses this rule again instead of the stepping loop.
         zs, stats = solve(z0, ts, theta, const, ctl)
@@ -143,7 +166,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
             ts[-1],
         )
-        (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
+        (lam, theta_bar, _, _, status, t_fail), _ = _host.scan(
             interval, init, jnp.arange(T - 1, 0, -1)
         )
         return lam, theta_bar, status, t_fail
@@ -158,24 +181,41 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         n_u = n_ctrl
         n_c = n_u + N
 
+        # The last component (not controlled, zero slope) keeps the largest drift of the
+        # backward-integrated state from the stored outputs, in units of the tolerance.
         def rhs(v, r):
-            u, lam = v[:n_u], v[n_u:]
+            u, lam = v[:n_u], v[n_u:n_c]
             dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
             u_bar, theta_bar = vjp(lam)
             zeros = jnp.zeros((N - n_u,), dtype)
-            return jnp.concatenate([-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype)])
+            return jnp.concatenate(
+                [-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype), jnp.zeros((1,), dtype)]
+            )
+
+        def drift(u, k):
+            return _control.error_ratio(u - zs[k, :n_u], u, zs[k, :n_u], adj_rtol, adj_atol,
+                                        n_u)
 
         def jump(j, z):
             k = T - 1 - j
-            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:]])
+            worst = jnp.maximum(z[-1], drift(z[:n_u], k))
+            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:-1], worst[None]])
 
         stepper = make_stepper(rhs, n_c, rtol=adj_rtol, atol=adj_atol)
-        z0 = jnp.concatenate([zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0])
+        z0 = jnp.concatenate(
+            [zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0, jnp.zeros((1,), dtype)]
+        )
         end, st = _integrate.integrate_jumps(
             stepper, lambda v, r: rhs(v, r)[:n_c], z0, -ts[::-1], adj_rtol, adj_atol,
             jnp.zeros((), dtype), budget, n_c, jump,
         )
-        return end[n_u:n_c], end[n_c:], st.status, -st.t
+        worst = jnp.maximum(end[-1], drift(end[:n_u], 0))
+        # Integrating the state backwards is unstable for dissipative dynamics: a state
+        # that comes back far from the forward one means a wrong gradient. Fail instead.
+        drifted = (st.status == _integrate.NOT_FAILED) & ~(worst <= DRIFT_LIMIT)
+        status = jnp.where(drifted, _integrate.DRIFT, st.status)
+        t_fail = jnp.where(drifted, ts[0], -st.t)
+        return end[n_u:n_c], end[n_c:-1], status, t_fail
 
     @jax.custom_vjp
     def backsolve(zs, ts, theta, const, ctl, gz):
@@ -197,6 +237,11 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     backsolve.defvjp(backsolve_fwd, backsolve_bwd)
 
     def solve_bwd(res, cotangents):
+        if adjoint == "discrete":
+            return _discrete_bwd(
+                make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
+                report=report,
+            )
         if adjoint == "interpolate":
             return _interpolating_bwd(
                 make_stepper, G, res, cotangents[0], window, on_failure=on_failure, report=report
@@ -247,7 +292,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             t = -r
             y = _integrate.interpolate(record, t)
             _, vjp = jax.vjp(lambda u, th: G(u, t, th, const), y, theta)
-            u_bar, theta_bar = vjp(lam)
+            u_bar, theta_bar = vjp(lam[:n])
             return jnp.concatenate([u_bar, _flat(theta_bar, dtype)])
 
         return G_lam
@@ -261,11 +306,17 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             budget, n, record=window,
         )
         G_lam = adjoint_rhs(record)
-        backward = make_stepper(G_lam, n, rtol=adj_rtol, atol=adj_atol)
+        # The parameter cotangents are step-controlled too (not a seminorm): their
+        # integrand λ·∂f/∂θ(y) follows y's fast transients, which nothing else here
+        # resolves (y is interpolated, not integrated). Leaving them out let the backward
+        # steps stride over those transients: gradient errors of 1e-4 at rtol 1e-8 (one
+        # eigenvalue -100), growing with stiffness and with the window (issue 10).
+        nc = n + theta_bar.shape[0]
+        backward = make_stepper(G_lam, nc, rtol=adj_rtol, atol=adj_atol)
         z2 = jnp.concatenate([lam, theta_bar])
         out, st_b = _integrate.integrate(
-            backward, lambda v, r: G_lam(v, r)[:n], z2, jnp.stack([-end, -record.start]),
-            adj_rtol, adj_atol, h, left, n,
+            backward, lambda v, r: G_lam(v, r)[:nc], z2, jnp.stack([-end, -record.start]),
+            adj_rtol, adj_atol, h, left, nc,
         )
         fail_f = st_f.status != _integrate.NOT_FAILED
         new_status = jnp.where(fail_f, st_f.status, st_b.status)
@@ -304,7 +355,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
         ts[-1],
     )
-    (lam, theta_bar, _, _, status, t_fail), _ = jax.lax.scan(
+    (lam, theta_bar, _, _, status, t_fail), _ = _host.scan(
         interval, init, jnp.arange(T - 1, 0, -1)
     )
     z0_bar, ts_bar, theta_bar = _finish(
@@ -338,3 +389,215 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
         ok = report(status, t_fail)
         cotangents = tuple(jnp.where(ok, v, jnp.nan) for v in cotangents)
     return cotangents
+
+
+def _diff_step(stepper):
+    """``(s, z, cache, h, ks) -> (z1, accept_cache, ks)``, differentiable (see Stepper)."""
+    if stepper.diff_step is not None:
+        return stepper.diff_step
+
+    def diff_step(s, z, cache, h, ks_star):
+        z1, _, ks, cache_acc, _, _, _ = stepper.step(s, z, cache, h)
+        return z1, cache_acc, ks
+
+    return diff_step
+
+
+def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
+    """The discrete adjoint: the exact derivative of the computed outputs.
+
+    The forward pass saved its loop carry (controller, state, cache) every ``window``
+    accepted steps. Segment by segment (last first), the steps are replayed from the
+    checkpoint with the forward's own step function (:func:`_integrate._attempt`), so the
+    same steps are taken, and the accepted ones are kept (``window`` of them); then the
+    cotangent runs back through them, one ``jax.vjp`` of each step (the step sizes and
+    times are held fixed; an implicit method's stage equations are differentiated by the
+    implicit function theorem at the stage values it found). Output ``y(t_j)`` is the
+    continuous extension of the step containing ``t_j`` (or the state at its end), as in
+    the forward loop, so its cotangent enters through that step. Nothing is integrated
+    backwards: stable for any stiffness, and the result does not depend on ``window``
+    (memory only: ``NUM_CHECKPOINTS`` = 128 checkpoints, whatever ``max_steps``, plus
+    ``window`` steps; past 128 x ``window`` steps the checkpoints thin out to every
+    2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed from the
+    nearest one: up to that spacing in extra replayed steps per block).
+    """
+    zs, ts, theta, const, ctl, ck, n_acc, forward_status = jax.tree.map(
+        jax.lax.stop_gradient, res
+    )
+    gz_in = gz
+    gz = jax.lax.stop_gradient(gz)
+    rtol, atol, _, _, _, budget = ctl
+    budget = jnp.asarray(budget, jnp.int32)
+    dtype = zs.dtype
+    T, n = zs.shape
+    W = window
+    i32 = jnp.int32
+    t_end = ts[-1]
+
+    def stepper_of(theta):
+        return make_stepper(lambda u, s: G(u, s, theta, const), n, rtol=rtol, atol=atol)
+
+    stepper = stepper_of(theta)
+    dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
+    degree = dense.shape[0]
+    bufs, spacing = ck
+    cache_like = jax.tree.map(lambda b: b[0], bufs[2])
+    stages = dense.shape[1]
+
+    def replay(blk):
+        """The accepted steps ``blk·W ..`` (at most W): (count, s, h, s1, z, cache, ks),
+        replayed from the last checkpoint at or before them."""
+        first = blk * W
+        packed, z, cache = jax.tree.map(lambda b: b[first // spacing], bufs)
+        target = jnp.minimum(first + W, n_acc)
+        buf = (
+            jnp.zeros((W,), dtype),
+            jnp.ones((W,), dtype),
+            jnp.zeros((W,), dtype),
+            jnp.zeros((W, n), dtype),
+            jax.tree.map(lambda v: jnp.zeros((W,) + v.shape, v.dtype), cache_like),
+            jnp.zeros((W, stages, n), dtype),
+        )
+
+        def cond(carry):
+            packed, _, _, _, tries = carry
+            ctrl = _integrate.Controller.unpack(packed)
+            return (ctrl.num_accepted < target) & (ctrl.status == _integrate.NOT_FAILED) & (
+                tries < budget
+            )
+
+        def body(carry):
+            packed, z, cache, buf, tries = carry
+            ctrl = _integrate.Controller.unpack(packed)
+            slot = jnp.clip(ctrl.num_accepted - first, 0, W - 1)
+            new, z1, cache1, (accept, s, h, z_old, ks) = _integrate._attempt(
+                stepper, ctrl, z, cache, t_end, t_end, budget, rtol, atol, n
+            )
+            keep = accept & (ctrl.num_accepted >= first)
+            row = (s, h, new.s, z_old, cache, ks)
+            buf = jax.tree.map(
+                lambda b, v: b.at[slot].set(jnp.where(keep, v, b[slot])), buf, row
+            )
+            return new.pack(), z1, cache1, buf, tries + 1
+
+        packed, _, _, buf, _ = _host.while_loop(
+            cond, body, (packed, z, cache, buf, jnp.zeros((), i32))
+        )
+        count = _integrate.Controller.unpack(packed).num_accepted - first
+        return count, target - first, buf
+
+    explicit = stepper.diff_step is None
+
+    def step_fn(z, cache, theta, s, h, ks_star):
+        st = stepper_of(theta)
+        if explicit:
+            z1, err, ks, cache1, _, _, _ = st.step(s, z, cache, h)
+            return z1, cache1, h * (dense @ ks), err
+        z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
+        return z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+
+    def substeps(z, theta, s, h):
+        # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
+        # derivative there (the next step's FSAL cache).
+        st = stepper_of(theta)
+        hs = h / REFINE
+
+        def body(i, z):
+            si = s + i * hs
+            return st.step(si, z, st.init(si, z), hs)[0]
+
+        z1 = jax.lax.fori_loop(0, REFINE, body, z)
+        return z1, st.init(s + h, z1)
+
+    powers = jnp.arange(1, degree + 1, dtype=dtype)
+
+    def back_step(i, carry, buf):
+        lam_z, lam_cache, theta_bar = carry
+        s, h, s1, z, cache, ks = jax.tree.map(lambda b: b[i], buf)
+        exact = (ts == s1).astype(dtype)
+        inside = ((ts > s) & (ts < s1)).astype(dtype)
+        frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
+        lam_z1 = lam_z + exact @ gz
+        weights = (inside[:, None] * frac[:, None] ** powers[None, :]).T @ gz  # (degree, n)
+        _, vjp = jax.vjp(lambda z, c, th: step_fn(z, c, th, s, h, ks), z, cache, theta)
+        zero_z, zero_c = jnp.zeros_like(z), jax.tree.map(jnp.zeros_like, lam_cache)
+        if explicit:
+            # The adjoint's local error estimate: the cotangent through the embedded pair's
+            # error estimate (one batched transpose with the cotangent itself). The steps
+            # were chosen for y alone; where they do not resolve the linearised dynamics
+            # (an exactly-zero solution: zero error estimates, steps growing tenfold), the
+            # step is differentiated as REFINE substeps (the derivative of a more
+            # accurate step, no longer of the computed one).
+            both = jax.tree.map(
+                lambda a, b: jnp.stack([a, b]),
+                (lam_z1, lam_cache, weights, zero_z),
+                (zero_z, zero_c, jnp.zeros_like(weights), lam_z1),
+            )
+            out = jax.vmap(vjp)(both)
+            dz, dcache, dtheta = jax.tree.map(lambda v: v[0], out)
+            ez = out[0][1]
+            scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
+            ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
+
+            def refined(_):
+                _, vjp2 = jax.vjp(lambda z, th: substeps(z, th, s, h), z, theta)
+                dz2, dth2 = vjp2((lam_z1, lam_cache))
+                # Outputs inside the step still come from its own continuous extension.
+                dzc, dcc, dthc = vjp((zero_z, zero_c, weights, zero_z))
+                return dz2 + dzc, dcc, jax.tree.map(jnp.add, dth2, dthc)
+
+            dz, dcache, dtheta = jax.lax.cond(
+                ratio > REFINE_LIMIT, refined, lambda _: (dz, dcache, dtheta), None
+            )
+        else:
+            dz, dcache, dtheta = vjp((lam_z1, lam_cache, weights, zero_z))
+        lam_z = dz + inside @ gz
+        return lam_z, dcache, theta_bar + _flat(dtheta, dtype)
+
+    def segment(carry):
+        c, lam_z, lam_cache, theta_bar, status, t_fail = carry
+        count, expected, buf = replay(c)
+
+        def body(j, inner):
+            return back_step(count - 1 - j, inner, buf)
+
+        lam_z, lam_cache, theta_bar = jax.lax.fori_loop(
+            0, count, body, (lam_z, lam_cache, theta_bar)
+        )
+        # The replay did not retake the forward's steps (never expected), or the cotangent
+        # became NaN or inf (f's derivative is not finite there): fail, never a number.
+        finite = jnp.isfinite(jnp.sum(lam_z) + jnp.sum(theta_bar))
+        new = jnp.where(count != expected, _integrate.DRIFT,
+                        jnp.where(finite, _integrate.NOT_FAILED, _status.NONFINITE))
+        first = (status == _integrate.NOT_FAILED) & (new != _integrate.NOT_FAILED)
+        status = jnp.where(first, new, status)
+        t_fail = jnp.where(first, buf[0][0], t_fail)
+        return c - 1, lam_z, lam_cache, theta_bar, status, t_fail
+
+    n_blocks = (n_acc + W - 1) // W
+    init = (
+        n_blocks - 1,
+        jnp.zeros((n,), dtype),
+        jax.tree.map(jnp.zeros_like, cache_like),
+        _flat(theta, dtype) * 0,
+        jnp.asarray(_integrate.NOT_FAILED, i32),
+        ts[0],
+    )
+    _, lam_z, lam_cache, theta_bar, status, t_fail = _host.while_loop(
+        lambda c: c[0] >= 0, segment, init
+    )
+    # The first cache (the derivative at y0) is a function of y0 and the parameters.
+    _, vjp = jax.vjp(lambda z, th: stepper_of(th).init(ts[0], z), zs[0], theta)
+    dz, dtheta = vjp(lam_cache)
+    lam = lam_z + dz
+    theta_bar = theta_bar + _flat(dtheta, dtype)
+    rhs = lambda u, s: G(u, s, theta, const)  # noqa: E731
+    if on_failure == "nan":  # a failed forward pass: NaN gradients too
+        status = jnp.where(forward_status != _integrate.NOT_FAILED, forward_status, status)
+    z0_bar, ts_bar, theta_bar = _finish(
+        rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
+    )
+    z0_bar, ts_bar, theta_bar = _first_order_only(
+        (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
+    )
+    return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None

@@ -37,6 +37,9 @@ __all__ = [
 
 #: Status while the loop runs, and of a run that reached its end: ``_status.CONVERGED``.
 NOT_FAILED = _status.CONVERGED
+#: A backward pass only (never in ``info.status``): the state it reconstructed (the
+#: backsolve adjoint's ``y(t0)``, the discrete adjoint's replay) disagrees with the forward.
+DRIFT = _status.DRIFT
 
 
 class Stats(NamedTuple):
@@ -70,6 +73,11 @@ class Stepper(NamedTuple):
     beta2: float
     order: int  # exponent of the local error estimate (for the initial step)
     init_counts: tuple = (1, 0, 0)  # (fevals, jacobians, factorizations) spent by init
+    # ``diff_step(s, z, cache, h, ks) -> (z1, accept_cache, ks)``: the step as a function
+    # of ``z``, ``cache`` and the parameters ``rhs`` closes over, to differentiate with
+    # ``jax.vjp`` (the discrete adjoint); ``ks`` are the stage derivatives the step took
+    # (an implicit method linearises its stage equations there). None: ``step`` itself.
+    diff_step: Any = None
 
 
 class Record(NamedTuple):
@@ -149,6 +157,7 @@ class Carry(NamedTuple):
     cache: Any  # the stepper's cache (at least the derivative at the current point)
     last_step: Any  # LastStep (dense mode) or None
     rec: Any  # Record ring buffer (``start`` unset) or None
+    ck: Any = None  # checkpoints (packed controller, state, cache) every W accepted steps
 
 
 def valid_times(ts):
@@ -156,7 +165,94 @@ def valid_times(ts):
     return jnp.all(jnp.isfinite(ts)) & jnp.all(jnp.diff(ts) > 0)
 
 
-def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None):
+def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl):
+    """One attempted step from a :class:`Controller` (the body of every stepping loop).
+
+    Returns ``(ctrl, z, cache, (accept, s, h, z_old, ks))``: the updated controller,
+    state and cache, and what the step was (whether it was accepted, its start, size,
+    initial state and stage derivatives). The forward loop and the discrete adjoint's
+    replay both run this, so a replay from a saved carry retakes the same steps.
+    """
+    dtype = z.dtype
+    i32 = jnp.int32
+    eps = jnp.finfo(dtype).eps
+    floor = jnp.asarray(_control.RATIO_FLOOR, dtype)
+    s, h = ctrl.s, ctrl.h
+    remaining = clip_to - s
+    # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
+    # replayed to end where an earlier run's step ended): that step lands too.
+    last = (h >= remaining) | (s + h >= clip_to)
+    h_proposed = h
+    h = jnp.where(last, remaining, h)
+    z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
+    ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
+    finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
+    accept = ok & finite & (ratio <= 1)
+    s1 = jnp.where(last, clip_to, s + h)
+    factor = _control.pi_factor(
+        ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
+    )
+    factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
+    h_next = h * factor
+    # A step shortened to end on a time says little about the next one.
+    h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
+    s_new = jnp.where(accept, s1, s)
+    z_new = jnp.where(accept, z1, z)
+    cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
+    underflow = ~accept & ~(h_next > 10 * eps * jnp.abs(s_new))  # NaN-safe
+    status = jnp.where(
+        underflow,
+        jnp.where(finite, _status.STEP_UNDERFLOW, _status.NONFINITE),
+        NOT_FAILED,
+    )
+    num_steps = ctrl.num_steps + 1
+    done = s_new >= t_end
+    # Out of steps: max_steps, unless the last step was not finite (then more
+    # steps would not have helped: f is NaN or inf there).
+    out_of_steps = (status == NOT_FAILED) & (num_steps >= budget) & ~done
+    status = jnp.where(
+        out_of_steps, jnp.where(finite, _status.MAX_STEPS, _status.NONFINITE), status
+    )
+    ctrl = Controller(
+        s=s_new,
+        h=h_next,
+        ratio_prev=jnp.where(accept, jnp.maximum(ratio, floor), ctrl.ratio_prev),
+        ratio=ratio,
+        num_steps=num_steps,
+        num_accepted=ctrl.num_accepted + accept.astype(i32),
+        num_fevals=ctrl.num_fevals + jnp.asarray(counts[0], i32),
+        num_jacobians=ctrl.num_jacobians + jnp.asarray(counts[1], i32),
+        num_factorizations=ctrl.num_factorizations + jnp.asarray(counts[2], i32),
+        status=status.astype(i32),
+    )
+    return ctrl, z_new, cache, (accept, s, h, z, ks)
+
+
+def _save_checkpoint(ck, accept, ctrl, z, cache, C):
+    """Keep the carry every ``spacing`` accepted steps in ``C`` slots (``spacing`` doubles,
+    and every other checkpoint is dropped, when they are full: memory stays ``C`` states)."""
+    bufs, spacing = ck
+    hit = accept & (ctrl.num_accepted % spacing == 0)
+    full = hit & (ctrl.num_accepted // spacing >= C)
+
+    def thin(bufs):
+        return jax.tree.map(
+            lambda b: jnp.concatenate([b[0::2], jnp.zeros_like(b[: C - (C + 1) // 2])]), bufs
+        )
+
+    bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
+    spacing = jnp.where(full, 2 * spacing, spacing)
+    slot = jnp.minimum(ctrl.num_accepted // spacing, C - 1)
+    bufs = jax.tree.map(
+        lambda buf, val: buf.at[slot].set(jnp.where(hit, val, buf[slot])),
+        bufs,
+        (ctrl.pack(), z, cache),
+    )
+    return bufs, spacing
+
+
+def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
+         checkpoint=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -170,7 +266,6 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     dtype = z0.dtype
     T = ts.shape[0]
     N = z0.shape[0]
-    eps = jnp.finfo(dtype).eps
     i32 = jnp.int32
     t0, t_end = ts[0], ts[-1]
     jumps = mode == "jumps"
@@ -227,6 +322,9 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         else None
     )
 
+    def attempt(ctrl, z, cache, clip_to):
+        return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl)
+
     def step_loop(target, carry):
         clip_to = target if jumps else t_end
 
@@ -235,75 +333,30 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             return (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
 
         def body(c):
-            ctrl, z, cache, last_step, rec = c
+            ctrl, z, cache, last_step, rec, ck = c
             ctrl = Controller.unpack(ctrl)
-            s, h = ctrl.s, ctrl.h
-            remaining = clip_to - s
-            # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
-            # replayed to end where an earlier run's step ended): that step lands too.
-            last = (h >= remaining) | (s + h >= clip_to)
-            h_proposed = h
-            h = jnp.where(last, remaining, h)
-            z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
-            ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
-            finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
-            accept = ok & finite & (ratio <= 1)
-            s1 = jnp.where(last, clip_to, s + h)
+            ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
+            if checkpoint:
+                ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
-                new = LastStep(s, h, z, ks)
+                new = LastStep(s, h, z_old, ks)
                 last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
             if record:
-                slot = ctrl.num_accepted % B
-                new = Record(s, h, z, h * (dense @ ks), None)
+                slot = (ctrl.num_accepted - 1) % B
+                new = Record(s, h, z_old, h * (dense @ ks), None)
                 rec = jax.tree.map(
                     lambda buf, val: buf.at[slot].set(jnp.where(accept, val, buf[slot])),
                     rec,
                     new,
                 )
-            factor = _control.pi_factor(
-                ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
-            )
-            factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
-            h_next = h * factor
-            # A step shortened to end on a time says little about the next one.
-            h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
-            s_new = jnp.where(accept, s1, s)
-            z = jnp.where(accept, z1, z)
-            cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
-            underflow = ~accept & ~(h_next > 10 * eps * jnp.abs(s_new))  # NaN-safe
-            status = jnp.where(
-                underflow,
-                jnp.where(finite, _status.STEP_UNDERFLOW, _status.NONFINITE),
-                NOT_FAILED,
-            )
-            num_steps = ctrl.num_steps + 1
-            done = s_new >= t_end if not jumps else s_new >= ts[-1]
-            # Out of steps: max_steps, unless the last step was not finite (then more
-            # steps would not have helped: f is NaN or inf there).
-            out_of_steps = (status == NOT_FAILED) & (num_steps >= budget) & ~done
-            status = jnp.where(
-                out_of_steps, jnp.where(finite, _status.MAX_STEPS, _status.NONFINITE), status
-            )
-            ctrl = Controller(
-                s=s_new,
-                h=h_next,
-                ratio_prev=jnp.where(accept, jnp.maximum(ratio, floor), ctrl.ratio_prev),
-                ratio=ratio,
-                num_steps=num_steps,
-                num_accepted=ctrl.num_accepted + accept.astype(i32),
-                num_fevals=ctrl.num_fevals + jnp.asarray(counts[0], i32),
-                num_jacobians=ctrl.num_jacobians + jnp.asarray(counts[1], i32),
-                num_factorizations=ctrl.num_factorizations + jnp.asarray(counts[2], i32),
-                status=status.astype(i32),
-            )
-            return Carry(ctrl.pack(), z, cache, last_step, rec)
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck)
 
         return _host.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
         carry = step_loop(target, carry)
-        ctrl, z, cache, last_step, rec = carry
+        ctrl, z, cache, last_step, rec, ck = carry
         ctrl = Controller.unpack(ctrl)
         reached = (ctrl.s >= target) & valid
         if jumps:
@@ -315,14 +368,22 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             ctrl = ctrl._replace(
                 num_fevals=ctrl.num_fevals + interior.astype(i32) * stepper.init_counts[0]
             )
-            return Carry(ctrl.pack(), z, cache, last_step, rec), None
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck), None
         y = last_step.z + _horner(
             last_step.h * (dense @ last_step.ks), (target - last_step.s) / last_step.h
         )
         y = jnp.where(target == ctrl.s, z, y)
         return carry, jnp.where(reached, y, jnp.nan)
 
-    carry = Carry(ctrl.pack(), z0, cache, last_step, rec)
+    ck = None
+    if checkpoint:
+        W, C = checkpoint
+        bufs = jax.tree.map(
+            lambda v: jnp.zeros((C,) + jnp.shape(v), jnp.result_type(v)).at[0].set(v),
+            (ctrl.pack(), z0, cache),
+        )
+        ck = (bufs, jnp.asarray(W, i32))
+    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck)
     carry, ys = _host.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
@@ -345,6 +406,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     if jumps:
         return jnp.where(valid, z, jnp.nan), stats
     ys = jnp.concatenate([z0[None], ys])
+    if checkpoint:
+        return ys, stats, carry.ck
     if not record:
         return ys, stats
     n_acc = ctrl.num_accepted
@@ -355,17 +418,23 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     return ys, stats, rec._replace(start=start)
 
 
-def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0):
+def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
+              checkpoint=None):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
     ``h0 <= 0`` asks for the automatic initial step; ``budget`` caps the attempted steps.
     ``rhs_u(u, s)`` (the controlled components' derivative) is used by the initial-step
     heuristic only. With ``record=B > 0`` also return the :class:`Record` of the last
-    ``B`` accepted steps.
+    ``B`` accepted steps. With ``checkpoint=(W, C)`` return instead ``(zs, Stats, ck)``,
+    ``ck = (bufs, spacing)``: ``bufs[c]`` is the loop's carry ``(Controller.pack(), z,
+    cache)`` after ``c·spacing`` accepted steps (``C`` slots, ``C`` even; ``bufs[0]`` the
+    initial one; ``spacing`` starts at ``W`` and doubles whenever the slots are full),
+    from which :func:`_attempt` replays the following steps exactly (the discrete
+    adjoint).
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
-                record=record)
+                record=record, checkpoint=checkpoint)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

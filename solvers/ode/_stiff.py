@@ -98,5 +98,37 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol):
         err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
         return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, jacobians)
 
+    def diff_step(s, z, cache, h, ks_star):
+        # The derivative of the step the forward took: stage i's value U* (from the stage
+        # derivatives ks_star) satisfies r(U) = U - base_i - hγ f(U, t_i) ≈ 0, so
+        # dU = (I - hγ J(U*))⁻¹ (d base_i + hγ ∂f/∂θ dθ) (the implicit function theorem,
+        # with the exact Jacobian at U*, not the frozen one Newton used). Written as
+        # U = U* - (x - stop_gradient(x)), x = (I - hγJ)⁻¹ r: the value stays U*.
+        if z.shape[0] != n_ctrl:
+            raise NotImplementedError("diff_step: quadrature components")
+        (k0,) = cache
+        dtype = z.dtype
+        a = jnp.asarray(explicit_part, dtype)
+        c = jnp.asarray(tab.c, dtype)
+        hg = h * gamma
+        ks_star = jax.lax.stop_gradient(ks_star)
+        ks = jnp.zeros_like(ks_star).at[0].set(k0)
+        eye = jnp.eye(n_ctrl, dtype=dtype)
+
+        def stage(i, ks):
+            base = z + h * (a[i] @ ks)
+            U_star = jax.lax.stop_gradient(base + hg * ks_star[i])
+            t = s + c[i] * h
+            J = jax.lax.stop_gradient(jax.jacfwd(lambda v: rhs(v, t))(U_star))
+            r = U_star - base - hg * rhs(U_star, t)
+            x = jnp.linalg.solve(eye - hg * J, r)
+            U = U_star - (x - jax.lax.stop_gradient(x))
+            return ks.at[i].set((U - base) / hg)
+
+        ks = jax.lax.fori_loop(1, stages, stage, ks)
+        z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
+        return z1, (ks[-1],), ks
+
     k = tab.error_order
-    return Stepper(init, step, tab.dense, beta1=0.7 / k, beta2=0.4 / k, order=k)
+    return Stepper(init, step, tab.dense, beta1=0.7 / k, beta2=0.4 / k, order=k,
+                   diff_step=diff_step)

@@ -1,0 +1,300 @@
+"""odeint's gradient against closed-form oracles (issue 10): the adjoint error contract.
+
+For ``y' = A y`` with ``A = V diag(λ) V⁻¹`` (real eigenvalues spread over decades) and
+``L = c · y(T)``, the eigendecomposition gives ``dL/dy0 = e^{AᵀT} c`` and
+``dL/dA = V⁻ᵀ (Φ ∘ p qᵀ) Vᵀ`` with ``p = Vᵀ c``, ``q = V⁻¹ y0`` and
+``Φ_ij = (e^{λ_i T} - e^{λ_j T}) / (λ_i - λ_j)`` (``T e^{λ_i T}`` on the diagonal); the
+oracle itself is checked against ``scipy.linalg.expm_frechet``. None of it calls odeint.
+
+The contract (docs/ode.md): the relative gradient error is within 100x rtol for every
+method and adjoint, or the call fails by ``on_failure`` (backsolve on dissipative
+dynamics: status ``drift``; an explicit method on a stiff problem: ``max_steps``) — never
+a wrong number; the default (discrete) adjoint never fails on these problems and gives the
+same gradient, to round-off, for every ``adjoint_window``.
+
+Compilation is the cost: each (method, adjoint, window, n) is jitted once, with the
+random data and ``T`` as traced arguments; everything runs in float64 under a scoped
+``jax.enable_x64`` (the ``x64`` fixture), so nothing leaks into float32 tests.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import solvers
+
+EXPLORE = os.environ.get("HYPOTHESIS_EXPLORE") == "1"
+RTOL, ATOL = 1e-8, 1e-10
+CONTRACT = 100 * RTOL
+
+
+def examples(n):
+    return settings(max_examples=5 * n if EXPLORE else n, deadline=None,
+                    derandomize=not EXPLORE, database=None, print_blob=True)
+
+
+def linear_system(seed, lams):
+    """``A = V diag(lams) V⁻¹`` with a well-conditioned random ``V``; random ``y0``, ``c``."""
+    rng = np.random.default_rng(seed)
+    n = len(lams)
+    V = np.eye(n) + 0.4 * rng.normal(size=(n, n)) / np.sqrt(n)
+    A = V @ np.diag(lams) @ np.linalg.inv(V)
+    return A, V, rng.normal(size=n), rng.normal(size=n)
+
+
+def oracle(V, lams, y0, c, T):
+    """``(dL/dA, dL/dy0)`` from the eigendecomposition."""
+    lams = np.asarray(lams, float)
+    Vinv = np.linalg.inv(V)
+    p, q = V.T @ c, Vinv @ y0
+    e = np.exp(lams * T)
+    diff = lams[:, None] - lams[None, :]
+    same = np.abs(diff) < 1e-12
+    phi = np.where(same, T * e[:, None], (e[:, None] - e[None, :]) / np.where(same, 1, diff))
+    gA = Vinv.T @ (phi * np.outer(p, q)) @ V.T
+    gy0 = Vinv.T @ (e * p)
+    return gA, gy0
+
+
+def frechet_oracle(A, y0, c, T):
+    """The same gradient from ``scipy.linalg.expm_frechet`` (entry by entry)."""
+    n = A.shape[0]
+    gA = np.empty((n, n))
+    for i in range(n):
+        for j in range(n):
+            E = np.zeros((n, n))
+            E[i, j] = T
+            gA[i, j] = c @ scipy.linalg.expm_frechet(A * T, E, compute_expm=False) @ y0
+    return gA, scipy.linalg.expm(A * T).T @ c
+
+
+def _linear(y, t, A):
+    return A @ y
+
+
+_COMPILED = {}
+
+
+def gradient_fn(method, adjoint, window, on_failure="raise"):
+    """jit(grad of c·y(T)) w.r.t. (A, y0), compiled once per static setting."""
+    key = (method, adjoint, window, on_failure)
+    if key not in _COMPILED:
+        def loss(A, y0, c, T):
+            ys = solvers.odeint(_linear, y0, jnp.stack([jnp.zeros_like(T), T]), A,
+                                method=method, rtol=RTOL, atol=ATOL, adjoint=adjoint,
+                                adjoint_window=window, max_steps=20_000,
+                                on_failure=on_failure)
+            return jnp.dot(c, ys[-1])
+
+        _COMPILED[key] = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return _COMPILED[key]
+
+
+def relerr(got, ref):
+    return float(np.linalg.norm(np.ravel(got) - np.ravel(ref)) / np.linalg.norm(np.ravel(ref)))
+
+
+def gradient_or_failure(method, adjoint, window, A, y0, c, T):
+    """``(gA, gy0)``, or None when odeint failed loudly (a ConvergenceError)."""
+    try:
+        gA, gy0 = gradient_fn(method, adjoint, window)(A, y0, c, jnp.asarray(T))
+        return np.asarray(gA), np.asarray(gy0)
+    except Exception as exc:  # raised from a host callback: JAX wraps it
+        assert "ConvergenceError" in repr(type(exc)) or "ConvergenceError" in str(exc), exc
+        return None
+
+
+# The reproducers of issue 10 (wrong gradients with no error before the fix).
+ISSUE_A = np.array([[-1.1670141943754695, 0.5543637784980934],
+                    [2.661129867202193, -9.83298580562453]])
+ISSUE_Y0 = np.array([-0.535669373161111, 0.36159505490948474])
+ISSUE_C = np.array([1.3040000451301372, 0.9470809631292422])
+
+
+def _issue_oracle(T):
+    lams, V = np.linalg.eig(ISSUE_A)
+    return oracle(V.real, lams.real, ISSUE_Y0, ISSUE_C, T)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "tsit5"])
+@pytest.mark.parametrize("T", [2.0, 5.0])
+def test_issue_reproducer_default_adjoint(x64, method, T):
+    gA, gy0 = gradient_fn(method, None, 64)(ISSUE_A, ISSUE_Y0, ISSUE_C, jnp.asarray(T))
+    rA, ry0 = _issue_oracle(T)
+    assert relerr(gA, rA) < CONTRACT and relerr(gy0, ry0) < CONTRACT
+
+
+@pytest.mark.parametrize("T", [2.0, 5.0])
+def test_issue_reproducer_backsolve_fails_loudly(x64, T):
+    # Backsolve integrates the state backwards: unstable here (error 2e-4 at T=2, 45 at
+    # T=5 before); the reconstructed state is checked against the stored outputs.
+    with pytest.raises(Exception, match="status 'drift'"):
+        jax.block_until_ready(
+            gradient_fn("dopri5", "backsolve", 64)(ISSUE_A, ISSUE_Y0, ISSUE_C, jnp.asarray(T)))
+    nan = gradient_fn("dopri5", "backsolve", 64, "nan")(ISSUE_A, ISSUE_Y0, ISSUE_C,
+                                                         jnp.asarray(T))
+    assert np.all(np.isnan(nan[0]))
+
+
+def test_oracle_matches_expm_frechet():
+    for seed, lams, T in [(0, [-1.0, -10.0], 2.0), (1, [-1.0, -30.0, -1e3, -0.5], 1.5)]:
+        A, V, y0, c = linear_system(seed, lams)
+        for got, ref in zip(oracle(V, lams, y0, c, T), frechet_oracle(A, y0, c, T)):
+            np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+
+
+def _check_contract(method, adjoint, window, seed, lams, T, *, must_succeed):
+    A, V, y0, c = linear_system(seed, lams)
+    ref = oracle(V, lams, y0, c, T)
+    with jax.enable_x64(True):  # scoped (hypothesis and function-scoped fixtures clash)
+        got = gradient_or_failure(method, adjoint, window, A, y0, c, T)
+    if got is None:
+        assert not must_succeed, (method, adjoint, window, lams, T)
+        return None
+    errs = relerr(got[0], ref[0]), relerr(got[1], ref[1])
+    assert max(errs) < CONTRACT, (method, adjoint, window, lams, T, errs)
+    return got
+
+
+stiffness = st.floats(0.0, 5.0)  # the fast eigenvalue is -10**this
+seeds = st.integers(0, 2**31 - 1)
+horizons = st.floats(0.5, 3.0)
+
+
+@examples(3)
+@given(seed=seeds, log_fast=st.floats(0.0, 2.5), T=horizons)
+@pytest.mark.parametrize("method", ["dopri5", "tsit5"])
+def test_default_adjoint_contract_explicit_2x2(method, seed, log_fast, T):
+    _check_contract(method, None, 64, seed, [-1.0, -(10.0**log_fast)], T, must_succeed=True)
+
+
+@examples(3)
+@given(seed=seeds, log_fast=stiffness, T=horizons)
+def test_default_adjoint_contract_stiff_2x2(seed, log_fast, T):
+    _check_contract("kvaerno5", None, 64, seed, [-1.0, -(10.0**log_fast)], T,
+                    must_succeed=True)
+
+
+@examples(2)
+@given(seed=seeds, T=horizons)
+def test_default_adjoint_contract_stiff_nxn(seed, T):
+    # Eigenvalues spread over all five decades at once.
+    lams = -np.logspace(0.0, 5.0, 5)
+    _check_contract("kvaerno5", None, 64, seed, lams, T, must_succeed=True)
+
+
+@examples(2)
+@given(seed=seeds, log_fast=stiffness, T=horizons)
+@pytest.mark.parametrize("adjoint", ["backsolve", "interpolate"])
+def test_other_adjoints_right_or_loud_stiff_2x2(adjoint, seed, log_fast, T):
+    _check_contract("kvaerno5", adjoint, 64, seed, [-1.0, -(10.0**log_fast)], T,
+                    must_succeed=adjoint == "interpolate")
+
+
+def test_window_does_not_change_the_gradient(x64):
+    # adjoint_window is a memory setting: the discrete adjoint replays the same steps
+    # whatever it is (before: 4e-8 .. 0.67 relative error across windows at λ = -1000).
+    A, V, y0, c = linear_system(3, [-1.0, -1000.0])
+    grads = [gradient_or_failure("kvaerno5", None, w, A, y0, c, 1.0) for w in (1, 8, 4096)]
+    for g in grads[1:]:
+        np.testing.assert_allclose(g[0], grads[0][0], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(g[1], grads[0][1], rtol=1e-12, atol=1e-14)
+    assert relerr(grads[0][0], oracle(V, [-1.0, -1000.0], y0, c, 1.0)[0]) < CONTRACT
+
+
+@pytest.mark.slow
+@examples(2)
+@given(seed=seeds, log_fast=stiffness, T=horizons)
+@pytest.mark.parametrize("method", ["dopri5", "tsit5", "kvaerno5"])
+@pytest.mark.parametrize("adjoint", ["discrete", "backsolve", "interpolate"])
+def test_contract_every_method_adjoint_window(method, adjoint, seed, log_fast, T):
+    lams = [-1.0, -(10.0**log_fast)] if method == "kvaerno5" else [-1.0, -(10.0 ** min(
+        log_fast, 2.5))]
+    grads = [
+        _check_contract(method, adjoint, w, seed, lams, T,
+                        must_succeed=adjoint == "discrete"
+                        or (adjoint == "interpolate" and method == "kvaerno5"))
+        for w in (1, 8, 64, 4096)
+    ]
+    if adjoint == "discrete":  # identical, to round-off, for every window
+        for g in grads[1:]:
+            np.testing.assert_allclose(g[0], grads[0][0], rtol=1e-12, atol=1e-14)
+
+
+def _vdp(y, t, mu):
+    return jnp.stack([y[1], mu * ((1 - y[0] ** 2) * y[1]) - y[0]])
+
+
+@jax.jit
+def _vdp_final(mu, rtol):
+    # van der Pol, mu = 1000, on [0, 3000] (relaxation oscillations, two fast jumps).
+    ys = solvers.odeint(_vdp, jnp.array([2.0, 0.0]), jnp.stack([0.0 * mu, 3000.0 + 0 * mu]),
+                        mu, method="kvaerno5", rtol=rtol, atol=rtol, max_steps=200_000)
+    return ys[-1, 0]
+
+
+def _vdp_check(rtol):
+    mu, d = 1000.0, 1.0
+    g = float(jax.jit(jax.grad(_vdp_final))(mu, rtol))
+    # Central differences of tight solves (rtol 1e-10; the same to 4 digits at 1e-8 and
+    # with d = 0.1): -0.0035336.
+    fd = (float(_vdp_final(mu + d, 1e-10)) - float(_vdp_final(mu - d, 1e-10))) / (2 * d)
+    assert abs(g - fd) <= 1e-2 * abs(fd), (rtol, g, fd)
+
+
+@pytest.mark.slow
+def test_van_der_pol_stiff_gradient_matches_finite_differences(x64):
+    # Measured: -0.0035472 at rtol 1e-9 (0.4% off), -0.0035346 at 1e-10.
+    _vdp_check(1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="open (issue 10): at rtol 1e-6 the gradient is -0.388 (discrete) "
+                   "or -3.8 (interpolate) against -0.00353; 5% off at 1e-8, 0.4% at 1e-9. "
+                   "likely (unconfirmed) a small difference of large sensitivities across the "
+                   "jumps, which the steps chosen for y (forward or backward) do not resolve; "
+                   "finite differences of the rtol-1e-6 solves are right.", strict=False)
+def test_van_der_pol_stiff_gradient_at_rtol_1e6(x64):
+    _vdp_check(1e-6)
+
+
+def test_window_invariance_past_the_checkpoint_slots(x64):
+    # ~1000 accepted steps: with adjoint_window=1 the 128 checkpoints thin out to every 8
+    # steps, and blocks are replayed from further back: still the same gradient.
+    def lv(y, t, a, b, c, d):
+        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
+
+    p = jnp.array([1.5, 1.0, 3.0, 1.0])
+
+    def grad(window):
+        def loss(p):
+            ys = solvers.odeint(lv, jnp.array([1.0, 1.0]), jnp.linspace(0.0, 10.0, 7), *p,
+                                rtol=1e-11, atol=1e-11, adjoint_window=window)
+            return jnp.sum(ys**2)
+
+        return np.asarray(jax.jit(jax.grad(loss))(p))
+
+    g = grad(4096)
+    for window in (1, 3):
+        np.testing.assert_allclose(grad(window), g, rtol=1e-12, atol=1e-12)
+
+
+def test_discrete_adjoint_zero_solution(x64):
+    # A zero solution gives zero error estimates: the forward steps grow tenfold (7 steps
+    # over [0, 1]) and do not resolve the linearised dynamics. Differentiated as taken,
+    # 5.2e-4 relative error; the adjoint's own error estimate flags those steps and they
+    # are differentiated as substeps. (Also tests/test_properties.py's y0 = 0 example.)
+    ts = jnp.array([0.0, 0.5, 1.0])
+
+    def loss(y0):
+        ys = solvers.odeint(_linear, y0, ts, -jnp.eye(2), rtol=1e-9, atol=1e-12)
+        return jnp.sum(ys[-1])
+
+    g = np.asarray(jax.grad(loss)(jnp.zeros(2)))
+    np.testing.assert_allclose(g, np.exp(-1.0), rtol=100 * 1e-9)
