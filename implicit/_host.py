@@ -245,7 +245,8 @@ def _install_quiet():
     if _quiet_installed:
         return
     _quiet_installed = True
-    logging.getLogger("jax._src.callback").addFilter(_Quiet())
+    # The logger of the module that defines jax.pure_callback (it logs a failed callback).
+    logging.getLogger(jax.pure_callback.__module__).addFilter(_Quiet())
 
 
 def _where(first, shape, shards):

@@ -102,17 +102,16 @@ class Progress(NamedTuple):
     """What a method says of its state, for the runner's termination test.
 
     ``error <= atol + rtol * scale`` is the test (both non-negative scalars; the error
-    must be non-finite when the iterate is). ``status`` is ``RUNNING`` unless the method
-    knows the solve failed (e.g. ``SINGULAR``); ``confirmed`` is False when the test
-    must not end the solve yet (an error estimated from a stale Jacobian); ``merit`` is
-    what stagnation is judged on (default: ``error``).
+    must be non-finite when the iterate is; stagnation is judged on it too). ``status``
+    is ``RUNNING`` unless the method knows the solve failed (e.g. ``SINGULAR``);
+    ``confirmed`` is False when the test must not end the solve yet (an error estimated
+    from a stale Jacobian).
     """
 
     error: Any
     scale: Any
     status: Any = _status.RUNNING
     confirmed: Any = True
-    merit: Any = None
 
 
 class Method(NamedTuple):
@@ -157,8 +156,7 @@ def _judge(progress, rtol, atol, dtype):
         jnp.where(~finite, _status.NONFINITE, jnp.where(passed, _status.CONVERGED,
                                                         _status.RUNNING)),
     ).astype(jnp.int32)
-    merit = error if progress.merit is None else jnp.asarray(progress.merit, dtype)
-    return status, error, merit
+    return status, error
 
 
 def iterate(
@@ -179,12 +177,12 @@ def iterate(
       rtol, atol: tolerances (may be traced scalars).
       max_steps: static iteration cap.
       record_history: keep the error after every step in ``Info.residual_history``.
-      stagnation_window: steps without a new smallest ``merit`` that count as
+      stagnation_window: steps without a new smallest error that count as
         stagnation (``None``: never).
     """
     dtype = jnp.result_type(rtol)
     state = method.init(x0)
-    status, error, merit = _judge(method.terminate(state), rtol, atol, dtype)
+    status, error = _judge(method.terminate(state), rtol, atol, dtype)
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
     zero = jnp.zeros((), jnp.int32)
 
@@ -197,14 +195,14 @@ def iterate(
     def body(carry):
         state, k, _, _, best, since, history = carry
         state = method.step(state)
-        status, error, merit = _judge(method.terminate(state), rtol, atol, dtype)
+        status, error = _judge(method.terminate(state), rtol, atol, dtype)
         if stagnation_window is not None:
-            since = jnp.where(merit < best, 0, since + 1)
-            best = jnp.minimum(best, merit)
+            since = jnp.where(error < best, 0, since + 1)
+            best = jnp.minimum(best, error)
             stuck = (
                 (status == _status.RUNNING)
                 & (since >= stagnation_window)
-                & (merit <= STAGNATION_BAND * best)
+                & (error <= STAGNATION_BAND * best)
             )
             status = jnp.where(stuck, _status.STAGNATED, status)
         if record_history:  # (the warm-up trip tests the guess: no step to record)
@@ -212,7 +210,7 @@ def iterate(
             history = history.at[jnp.maximum(i, 0)].set(jnp.where(i >= 0, error, history[0]))
         return state, k + 1, status, error, best, since, history
 
-    init = (state, zero, status, error, merit, zero, history)
+    init = (state, zero, status, error, error, zero, history)
     state, k, status, error, _, _, history = _host.while_loop(cond, body, init)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
