@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _checks, linear
-from implicit import _host
+from implicit import _sharding
 from implicit._host import host_check
 
 __all__ = ["custom_root", "custom_fixed_point"]
@@ -146,7 +146,7 @@ def _implicit_solve(
     # receive zero (the solver's dependence is entirely captured by the residual).
     # Under shard_map (check_vma) the residual is traced with the solution's type: the
     # solution may vary over axes the guess does not (a constant guess, sharded args).
-    x_like = _host.like_output(solver, x0, args, has_aux)
+    x_like = _sharding.like_output(solver, x0, args, has_aux)
     residual_fn, residual_consts = jax.closure_convert(residual, x_like, *args)
     solver_fn, solver_consts = jax.closure_convert(solver, x0, *args)
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
@@ -234,7 +234,7 @@ def _implicit_solve(
 
     # shard_map: tolerances typed to vary with the problem (an implicit cast inserted at
     # the call would meet already varying values when the rule is lowered under vmap).
-    tol = _host.vary_like(tol, (x_like, args))
+    tol = _sharding.vary_like(tol, (x_like, args))
     return solve(x0, args, residual_consts, solver_consts, tol)
 
 

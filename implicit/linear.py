@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.sparse import linalg as jsp_linalg
 
-from implicit import _host
+from implicit import _sharding
 
 __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve"]
 
@@ -91,7 +91,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             w = matvec(basis[j])
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
-            rep = _host.replicated(basis, w)  # Explicit meshes: n may be sharded
+            rep = _sharding.replicated(basis, w)  # Explicit meshes: n may be sharded
             h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
             w = w - h @ basis
 
@@ -122,7 +122,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             g = g.at[j + 1].set(-s_j * g[j]).at[j].set(c_j * g[j])
             return j + 1, basis, hess.at[:, j].set(h), cs.at[j].set(c_j), sn.at[j].set(s_j), g
 
-        j, basis, hess, _, _, g = _host.while_loop(
+        j, basis, hess, _, _, g = _sharding.while_loop(
             not_done, arnoldi_step, (jnp.int32(0), basis, hess, cs, sn, g)
         )
         used = jnp.arange(m) < j
@@ -140,7 +140,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
         return x, residual, steps + jnp.maximum(j, 1)
 
     init = (jnp.zeros_like(b), jnp.asarray(jnp.inf, dtype), jnp.int32(0))
-    return _host.while_loop(outer_cond, outer_body, init)[0]
+    return _sharding.while_loop(outer_cond, outer_body, init)[0]
 
 
 def _bicgstab(matvec, b, rtol, atol, max_steps):
@@ -158,7 +158,7 @@ def _dense(matvec, b, rtol, atol, max_steps):
     def matvec_flat(v):
         return ravel_pytree(matvec(unravel(v)))[0]
 
-    eye = _host.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
+    eye = _sharding.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
     columns = jax.vmap(matvec_flat)(eye)
     return unravel(jnp.linalg.solve(columns.T, b_flat))
 
@@ -181,7 +181,7 @@ def _neumann(matvec, b, rtol, atol, max_steps):
         return jax.tree.map(jnp.add, x, r), _norm(r), k + 1
 
     x0 = jax.tree.map(jnp.negative, b)
-    x, err, _ = _host.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
+    x, err, _ = _sharding.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
     ok = err <= bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _checks, custom_root
-from implicit import _host
+from implicit import _sharding
 from implicit._host import host_check
 from solvers import _status
 
@@ -119,7 +119,8 @@ class Method(NamedTuple):
 
     ``warmup=True``: ``init`` does not evaluate the function (so that it is traced and
     run once per step, inside the loop) and the first ``step`` only evaluates the guess;
-    the runner then allows ``max_steps`` steps after it and does not count it.
+    the runner does not call ``terminate`` before it, allows ``max_steps`` steps after
+    it and does not count it.
     """
 
     init: Callable  # x0 -> state
@@ -130,7 +131,7 @@ class Method(NamedTuple):
 
 def _leaf_max_norm(leaf):
     norm = jnp.max(jnp.abs(leaf))
-    if _host.on_several_devices(leaf):
+    if _sharding.on_several_devices(leaf):
         # NaN is tested for apart: a max over devices (a sharded array's all-reduce)
         # may drop a NaN that a max on one device keeps; a NaN must never pass the test.
         norm = jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, norm)
@@ -182,7 +183,11 @@ def iterate(
     """
     dtype = jnp.result_type(rtol)
     state = method.init(x0)
-    status, error = _judge(method.terminate(state), rtol, atol, dtype)
+    if method.warmup:  # nothing evaluated yet: the first trip tests the guess
+        status = jnp.int32(_status.RUNNING)
+        error = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    else:
+        status, error = _judge(method.terminate(state), rtol, atol, dtype)
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
     zero = jnp.zeros((), jnp.int32)
 
@@ -211,7 +216,7 @@ def iterate(
         return state, k + 1, status, error, best, since, history
 
     init = (state, zero, status, error, error, zero, history)
-    state, k, status, error, _, _, history = _host.while_loop(cond, body, init)
+    state, k, status, error, _, _, history = _sharding.while_loop(cond, body, init)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
         converged=status == _status.CONVERGED,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, _host
+from implicit import _checks, _sharding
 from solvers import _runner
 
 __all__ = ["fixed_point"]
@@ -173,11 +173,8 @@ def _sub(a, b):
 
 
 def _progress(state):
-    x, fx, evaluated = state[:3]
-    # Before the first evaluation the error is unknown: large, and not a pass.
-    error = jnp.where(evaluated, _runner.max_norm(_sub(fx, x)), jnp.finfo(jnp.result_type(
-        *jax.tree.leaves(x))).max)
-    return _runner.Progress(error, _runner.max_norm(fx), confirmed=evaluated)
+    x, fx = state[:2]
+    return _runner.Progress(_runner.max_norm(_sub(fx, x)), _runner.max_norm(fx))
 
 
 def _placeholder(x0):
@@ -232,14 +229,14 @@ def _anderson_method(fn, damping, regularization, history_size):
         xs = xs.at[slot].set(jnp.where(evaluated, x_flat, xs[slot]))
         gs = gs.at[slot].set(jnp.where(evaluated, g, gs[slot]))
         valid = jnp.arange(m) <= k
-        gram = jnp.matmul(gs, gs.T, out_sharding=_host.replicated(gs))  # Explicit meshes
+        gram = jnp.matmul(gs, gs.T, out_sharding=_sharding.replicated(gs))  # Explicit meshes
         gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
         # Ridge relative to the residuals' scale (an absolute ridge stalls once the
         # residuals are small); unused slots get a unit diagonal and a zero weight.
         ridge = regularization * jnp.max(jnp.diag(gram))
         gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
         rhs = valid.astype(gram.dtype)
-        if _host.replicated(gram) is None:
+        if _sharding.replicated(gram) is None:
             alpha = jnp.linalg.solve(gram, rhs)
         else:
             # On an Explicit mesh a vmapped LU's pivoting gather cannot be sharded

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, _host, linear
+from implicit import _checks, _sharding, linear
 from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
@@ -489,5 +489,5 @@ def _line_search(fn, x, fx, d, skip):
 
     one = jnp.ones((), f0.dtype)
     init = (one, x, fx, f0, 0)
-    t, x_t, f_t, fnorm, _ = _host.while_loop(cond, body, init)
+    t, x_t, f_t, fnorm, _ = _sharding.while_loop(cond, body, init)
     return x_t, f_t, t, skip | accepted(t, fnorm)

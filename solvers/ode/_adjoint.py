@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from implicit import _host
+from implicit import _sharding
 
 from solvers import _status
 from solvers.ode import _control, _integrate
@@ -166,7 +166,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
             ts[-1],
         )
-        (lam, theta_bar, _, _, status, t_fail), _ = _host.scan(
+        (lam, theta_bar, _, _, status, t_fail), _ = _sharding.scan(
             interval, init, jnp.arange(T - 1, 0, -1)
         )
         return lam, theta_bar, status, t_fail
@@ -338,7 +338,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
 
         # The jump in λ starts a fresh transient: pick the first step afresh (h = 0).
         c = (k, ts[k], lam, theta_bar, h * 0, left, status, t_fail)
-        _, end, lam, theta_bar, h, left, status, t_fail = _host.while_loop(
+        _, end, lam, theta_bar, h, left, status, t_fail = _sharding.while_loop(
             more, window_step, c
         )
         # Out of budget before the interval's start: max_steps.
@@ -355,7 +355,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         jnp.asarray(_integrate.NOT_FAILED, jnp.int32),
         ts[-1],
     )
-    (lam, theta_bar, _, _, status, t_fail), _ = _host.scan(
+    (lam, theta_bar, _, _, status, t_fail), _ = _sharding.scan(
         interval, init, jnp.arange(T - 1, 0, -1)
     )
     z0_bar, ts_bar, theta_bar = _finish(
@@ -480,7 +480,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             )
             return new.pack(), z1, cache1, buf, tries + 1
 
-        packed, _, _, buf, _ = _host.while_loop(
+        packed, _, _, buf, _ = _sharding.while_loop(
             cond, body, (packed, z, cache, buf, jnp.zeros((), i32))
         )
         count = _integrate.Controller.unpack(packed).num_accepted - first
@@ -583,7 +583,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         jnp.asarray(_integrate.NOT_FAILED, i32),
         ts[0],
     )
-    _, lam_z, lam_cache, theta_bar, status, t_fail = _host.while_loop(
+    _, lam_z, lam_cache, theta_bar, status, t_fail = _sharding.while_loop(
         lambda c: c[0] >= 0, segment, init
     )
     # The first cache (the derivative at y0) is a function of y0 and the parameters.

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from implicit import _host
+from implicit import _sharding
 
 from solvers import _status
 from solvers.ode import _control
@@ -131,8 +131,8 @@ class Controller(NamedTuple):
         solve took 25-50% longer on CPU, its gradient 5-15%.
         """
         # On an Explicit mesh the scalars must share one sharding and batching.
-        floats = jnp.stack(_host.stackable([self.s, self.h, self.ratio_prev, self.ratio]))
-        ints = jnp.stack(_host.stackable([jnp.asarray(v, jnp.int32) for v in self[4:]]))
+        floats = jnp.stack(_sharding.stackable([self.s, self.h, self.ratio_prev, self.ratio]))
+        ints = jnp.stack(_sharding.stackable([jnp.asarray(v, jnp.int32) for v in self[4:]]))
         return floats, ints
 
     @classmethod
@@ -282,7 +282,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     h = jax.lax.cond(
         h0 > 0,
         # shard_map: typed to vary as auto_h's result does (the branches must agree).
-        lambda _: _host.vary_like(jnp.minimum(h0, first_span).astype(dtype), (z0, k0)),
+        lambda _: _sharding.vary_like(jnp.minimum(h0, first_span).astype(dtype), (z0, k0)),
         auto_h,
         None,
     )
@@ -351,7 +351,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 )
             return Carry(ctrl.pack(), z, cache, last_step, rec, ck)
 
-        return _host.while_loop(cond, body, carry)
+        return _sharding.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
@@ -384,7 +384,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         )
         ck = (bufs, jnp.asarray(W, i32))
     carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck)
-    carry, ys = _host.scan(per_time, carry, jnp.arange(1, T))
+    carry, ys = _sharding.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end

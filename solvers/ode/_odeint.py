@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, _host
+from implicit import _checks, _sharding
 from implicit._host import host_check
 from solvers import _runner, _status
 from solvers.ode import _adjoint, _integrate, _tableaus
@@ -204,7 +204,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, c
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
-    y0, ts = _host.vary_like((y0, ts), (y0, ts, args))
+    y0, ts = _sharding.vary_like((y0, ts), (y0, ts, args))
     out = _checks.call_shape(f, "f", y0, ts[0], *args)
     _checks.check_like(out, y0, "f(y0, t, *args)", "y0")
     fn, consts = jax.closure_convert(f, y0, ts[0], *args)
