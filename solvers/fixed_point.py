@@ -219,15 +219,18 @@ def _anderson_method(fn, damping, regularization, history_size):
         return (x0, _placeholder(x0), jnp.bool_(False), zeros, zeros, jnp.int32(0))
 
     def mix(state):
-        """The next iterate from the history and ``(x, f(x))``, and the new history (the
-        guess, not evaluated yet, leaves the history as it is: updated in place)."""
-        x, fx, evaluated, xs, gs, k = state
+        """The next iterate from the history and ``(x, f(x))``, and the new history.
+
+        (On the warm-up trip, before ``f`` was evaluated, slot 0 gets a placeholder;
+        ``k`` stays 0, so the next trip overwrites it before any mixing uses it.)
+        """
+        x, fx, _, xs, gs, k = state
         x_flat, unravel = ravel_pytree(x)
         g = ravel_pytree(fx)[0] - x_flat
         m = xs.shape[0]
         slot = k % m
-        xs = xs.at[slot].set(jnp.where(evaluated, x_flat, xs[slot]))
-        gs = gs.at[slot].set(jnp.where(evaluated, g, gs[slot]))
+        xs = xs.at[slot].set(x_flat)
+        gs = gs.at[slot].set(g)
         valid = jnp.arange(m) <= k
         gram = jnp.matmul(gs, gs.T, out_sharding=_sharding.replicated(gs))  # Explicit meshes
         gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
