@@ -148,7 +148,7 @@ def _solve(
 
     def body(x0, args):
         fn = lambda x: f(x, *args)  # noqa: E731
-        method, solution = make(fn, damping, regularization, history_size)
+        method = make(fn, damping, regularization, history_size)
         state, info = _runner.iterate(
             method,
             x0,
@@ -157,9 +157,7 @@ def _solve(
             max_steps=options.max_steps,
             record_history=options.full_output,
         )
-        # The solution is one more (free) step from the last tested iterate x: f(x) is
-        # already known, and the step lands closer to the fixed point than x.
-        return solution(state), info
+        return state[0], info
 
     def residual(x, *args):
         return jax.tree.map(jnp.subtract, f(x, *args), x)
@@ -168,63 +166,57 @@ def _solve(
                          solver=solver)
 
 
-def _sub(a, b):
-    return jax.tree.map(jnp.subtract, a, b)
+def _init(x0):
+    """The state's first fields: ``(x, error, scale)``, not evaluated yet (warm-up)."""
+    dtype = jnp.result_type(*jax.tree.leaves(x0))
+    big = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    return x0, big, big
 
 
 def _progress(state):
-    x, fx = state[:2]
-    return _runner.Progress(_runner.max_norm(_sub(fx, x)), _runner.max_norm(fx))
-
-
-def _placeholder(x0):
-    return jax.tree.map(jnp.zeros_like, x0)
+    _, error, scale = state[:3]
+    return _runner.Progress(error, scale)
 
 
 def _iterate_method(fn, damping, regularization, history_size):
     """Plain (damped) iteration ``x <- x + damping (f(x) - x)``.
 
-    State ``(x, f(x), evaluated)``; the first step evaluates ``f`` at the guess (the
-    runner's warm-up), so ``f`` appears once in the program.
+    State ``(x, error, scale)``: a step evaluates ``f`` at ``x`` once, records the test's
+    error ``max|f(x) - x|`` and scale ``max|f(x)|`` of ``x`` and moves on to the next
+    iterate. The test thus judges the previous iterate, and the solution returned is
+    one (free) step closer to the fixed point than the iterate that passed. The first
+    step evaluates the guess (the runner's warm-up): ``f`` appears once in the program.
     """
     del regularization, history_size
 
-    def next_iterate(state):
-        x, fx, _ = state
-        return jax.tree.map(lambda xi, fi: xi + damping * (fi - xi), x, fx)
-
     def step(state):
-        x = jax.tree.map(lambda n, o: jnp.where(state[2], n, o), next_iterate(state), state[0])
-        return x, fn(x), jnp.bool_(True)
+        x = state[0]
+        fx = fn(x)
+        g = jax.tree.map(jnp.subtract, fx, x)
+        x = jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
+        return x, _runner.max_norm(g), _runner.max_norm(fx)
 
-    method = _runner.Method(
-        init=lambda x0: (x0, _placeholder(x0), jnp.bool_(False)), step=step,
-        terminate=_progress, warmup=True,
-    )
-    return method, next_iterate
+    return _runner.Method(init=_init, step=step, terminate=_progress, warmup=True)
 
 
 def _anderson_method(fn, damping, regularization, history_size):
     """Anderson acceleration (type II) over the last ``history_size`` iterates.
 
-    State ``(x, f(x), evaluated, xs, gs, k)``: the iterate, its image, whether it has
-    been evaluated (the first step evaluates the guess), the ring buffers of past
-    iterates and residuals ``g = f(x) - x``, and the number of mixing steps taken.
+    State ``(x, error, scale, xs, gs, k)``: the next iterate, the error and scale of the
+    last evaluated one (as in :func:`_iterate_method`), the ring buffers of past iterates
+    and residuals ``g = f(x) - x``, and the number of evaluations. The first step, with
+    one residual in the history, is a damped plain step.
     """
 
     def init(x0):
         flat = ravel_pytree(x0)[0]
         # Broadcast from the iterate: on an Explicit mesh the buffers keep its sharding.
         zeros = jnp.broadcast_to(jnp.zeros_like(flat), (history_size, flat.size))
-        return (x0, _placeholder(x0), jnp.bool_(False), zeros, zeros, jnp.int32(0))
+        return (*_init(x0), zeros, zeros, jnp.int32(0))
 
-    def mix(state):
-        """The next iterate from the history and ``(x, f(x))``, and the new history.
-
-        (On the warm-up trip, before ``f`` was evaluated, slot 0 gets a placeholder;
-        ``k`` stays 0, so the next trip overwrites it before any mixing uses it.)
-        """
-        x, fx, _, xs, gs, k = state
+    def step(state):
+        x, _, _, xs, gs, k = state
+        fx = fn(x)
         x_flat, unravel = ravel_pytree(x)
         g = ravel_pytree(fx)[0] - x_flat
         m = xs.shape[0]
@@ -249,13 +241,6 @@ def _anderson_method(fn, damping, regularization, history_size):
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.
         x_new = jnp.where(jnp.all(jnp.isfinite(x_new)), x_new, x_flat + damping * g)
-        return unravel(x_new), xs, gs
+        return (unravel(x_new), _runner.max_norm(g), _runner.max_norm(fx), xs, gs, k + 1)
 
-    def step(state):
-        x, _, evaluated, _, _, k = state
-        x_new, xs, gs = mix(state)
-        x = jax.tree.map(lambda n, o: jnp.where(evaluated, n, o), x_new, x)  # guess: as is
-        return (x, fn(x), jnp.bool_(True), xs, gs, k + evaluated.astype(jnp.int32))
-
-    method = _runner.Method(init=init, step=step, terminate=_progress, warmup=True)
-    return method, lambda state: mix(state)[0]
+    return _runner.Method(init=init, step=step, terminate=_progress, warmup=True)

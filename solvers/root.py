@@ -207,6 +207,7 @@ class _State(NamedTuple):
     error: Any  # estimated error of x (the last step's length, scaled)
     scale: Any  # max|x|
     confirmed: Any  # whether that step can end the solve (see _method's step)
+    f_start: Any  # |F| at the guess (-1 before the first step evaluated it)
     full_step: Any  # max|d| of the previous step if it was a full one (t = 1), else 0
     eta: Any  # matrix-free Newton: (previous forcing term, previous |F|); else None
     quasi: Any  # chord/Broyden: their own state (see _chord, _broyden); Newton: None
@@ -383,7 +384,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         zero = jnp.zeros((), dtype)
         return _State(
             x0, jnp.zeros_like(x0), jnp.int32(_status.RUNNING), zero + big, zero,
-            jnp.bool_(False), zero, eta if ops.jacobian == "matfree" else None,
+            jnp.bool_(False), zero - 1, zero, eta if ops.jacobian == "matfree" else None,
             init_quasi(x0),
         )
 
@@ -425,16 +426,22 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         # the next step: its error is unknown (large), not a failure.
         error = jnp.where(d_ok, error, big).astype(dtype)
         # A small step ends the solve only if it can be trusted: from a fresh Jacobian,
-        # or one over which |F| at least halved (a stale approximation can give a tiny
-        # step far from a root; then the residual has not moved, and the Jacobian is
-        # refreshed to decide).
-        confirmed = fresh | (_norm(f_next) <= 0.5 * _norm(fx)) | (f_max == 0)
+        # or one over which |F| at least halved, or one that lands where |F| is down to
+        # rtol times its value at the guess (a stale approximation can give a tiny step
+        # far from a root; then the residual has not moved, and the Jacobian is
+        # refreshed to decide; at the rounding floor |F| no longer halves).
+        fnorm = _norm(fx)
+        f_start = jnp.where(state.f_start < 0, fnorm, state.f_start)
+        f_next_norm = _norm(f_next)
+        confirmed = (fresh | (f_next_norm <= 0.5 * fnorm) | (f_max == 0)
+                     | (f_next_norm <= rtol * f_start))
         if quasi is not None:
             quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved,
                            small & ~confirmed)
         return state._replace(
             x=x_next, fx=f_next, status=status, error=error,
             scale=jnp.where(d_ok, scale, 0.0).astype(dtype), confirmed=confirmed,
+            f_start=f_start.astype(dtype),
             full_step=full_step, eta=eta, quasi=quasi,
         )
 
