@@ -250,9 +250,12 @@ def _adjoint_failure(linear_solver):
         if np.all(ok):
             return
         worst = float(np.nanmax(np.where(ok, 0.0, np.nan_to_num(relative, nan=np.inf))))
+        what = (f"relative residual {worst:.3e}" if np.isfinite(worst) else
+                "non-finite solution (a singular system, or an iteration that missed its "
+                "tolerance within max_steps)")
         raise AdjointSolveError(
             f"implicit differentiation: the adjoint linear solve (linear_solver={name!r}) "
-            f"did not converge: relative residual {worst:.3e}, tolerance rtol={float(rtol):.1e}"
+            f"did not converge: {what}, tolerance rtol={float(rtol):.1e}"
             f" ({int((~ok).sum())} of {ok.size} solves failed). Try linear_solver='gmres' or "
             "'dense', a larger max_steps, or check that the Jacobian of the residual is "
             "nonsingular at the solution (it is singular where the solution is not unique)."

@@ -252,24 +252,31 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
     return unravel(x_flat)
 
 
+def _dtype(b):
+    return jnp.result_type(*jax.tree.leaves(b))
+
+
 def converged(linear_solver, matvec, b, x, *, rtol, atol):
     """Whether ``x`` solves ``matvec(x) = b`` to its tolerance (with 10x slack).
 
     ``"jfb"`` is an approximation by design and always passes; ``"dense"`` passes when
-    finite (a singular matrix gives non-finite values); ``"diagonal"`` is checked
-    elementwise (``ok`` is then a pytree of bool arrays shaped like ``x``). Costs one
-    ``matvec``. Returns ``(ok, relative_residual)``.
+    finite (a singular matrix gives non-finite values), and so does ``"neumann"``
+    (its iteration computes its residual exactly and returns NaN when that missed the
+    tolerance); ``"diagonal"`` is checked elementwise (``ok`` is then a pytree of bool
+    arrays shaped like ``x``). These cost nothing; the others one ``matvec``. Returns
+    ``(ok, relative_residual)``, the residual ``inf`` where only finiteness is checked
+    and it failed.
     """
     if linear_solver == "diagonal":
         ok = jax.tree.map(jnp.isfinite, x)
         return ok, jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 0.0, jnp.inf), x)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(x)]))
+    if linear_solver in ("dense", "neumann"):
+        return finite, jnp.where(finite, 0.0, jnp.inf).astype(_dtype(b))
     b_norm = jnp.sqrt(_vdot(b, b).real)
     r = jax.tree.map(jnp.subtract, matvec(x), b)
     r_norm = jnp.sqrt(_vdot(r, r).real)
     relative = r_norm / jnp.where(b_norm > 0, b_norm, 1)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(x)]))
     if linear_solver == "jfb":
         return jnp.bool_(True), relative
-    if linear_solver == "dense":
-        return finite, relative
     return finite & (r_norm <= 10 * (atol + rtol * b_norm)), relative
