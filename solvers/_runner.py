@@ -169,6 +169,7 @@ def iterate(
     max_steps,
     record_history=False,
     stagnation_window=STAGNATION_WINDOW,
+    check_every=1,
 ):
     """Run ``method`` from ``x0`` until it stops; return ``(state, Info)``.
 
@@ -180,42 +181,55 @@ def iterate(
       record_history: keep the error after every step in ``Info.residual_history``.
       stagnation_window: steps without a new smallest error that count as
         stagnation (``None``: never).
+      check_every: steps per loop trip; the test is taken after the last of them (the
+        others' errors are not computed). The guess is still tested first; a solve may
+        take up to ``check_every - 1`` steps more than it needed and than ``max_steps``.
     """
     dtype = jnp.result_type(rtol)
+    every = int(check_every)
     state = method.init(x0)
-    if method.warmup:  # nothing evaluated yet: the first trip tests the guess
+    if method.warmup and every > 1:
+        # The guess is tested after one step, not after a trip's worth.
+        state = method.step(state)
+    if method.warmup and every == 1:  # nothing evaluated yet: the first trip tests the guess
         status = jnp.int32(_status.RUNNING)
         error = jnp.asarray(jnp.finfo(dtype).max, dtype)
     else:
         status, error = _judge(method.terminate(state), rtol, atol, dtype)
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
     zero = jnp.zeros((), jnp.int32)
-
-    trips = max_steps + int(method.warmup)
+    # Steps taken, the warm-up's included (it is not counted in num_steps).
+    start = jnp.int32(1 if method.warmup and every > 1 else 0)
+    limit = max_steps + int(method.warmup)
+    window = None if stagnation_window is None else -(-stagnation_window // every)
 
     def cond(carry):
         _, k, status, *_ = carry
-        return (status == _status.RUNNING) & (k < trips)
+        return (status == _status.RUNNING) & (k < limit)
 
     def body(carry):
         state, k, _, _, best, since, history = carry
-        state = method.step(state)
+        for _ in range(every):
+            state = method.step(state)
+        k = k + every
         status, error = _judge(method.terminate(state), rtol, atol, dtype)
-        if stagnation_window is not None:
+        if window is not None:
             since = jnp.where(error < best, 0, since + 1)
             best = jnp.minimum(best, error)
             stuck = (
                 (status == _status.RUNNING)
-                & (since >= stagnation_window)
+                & (since >= window)
                 & (error <= STAGNATION_BAND * best)
             )
             status = jnp.where(stuck, _status.STAGNATED, status)
-        if record_history:  # (the warm-up trip tests the guess: no step to record)
-            i = k - int(method.warmup)
-            history = history.at[jnp.maximum(i, 0)].set(jnp.where(i >= 0, error, history[0]))
-        return state, k + 1, status, error, best, since, history
+        if record_history:  # (the warm-up step tests the guess: no step to record)
+            i = k - 1 - int(method.warmup)
+            i_ok = (i >= 0) & (i < max_steps)
+            i = jnp.clip(i, 0, max_steps - 1)
+            history = history.at[i].set(jnp.where(i_ok, error, history[i]))
+        return state, k, status, error, best, since, history
 
-    init = (state, zero, status, error, error, zero, history)
+    init = (state, start, status, error, error, zero, history)
     state, k, status, error, _, _, history = _sharding.while_loop(cond, body, init)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
@@ -352,6 +366,14 @@ class Options(NamedTuple):
     full_output: bool
     rule: Any = None
     linear_solver: Any = None
+    check_every: int = 1
+
+
+def _default_check_every(on_accelerator):
+    """``check_every=None``: 1 on CPU; on GPU/TPU, where every loop trip syncs its
+    predicate with the host, ``on_accelerator`` (a solver's choice: several for cheap
+    steps, 1 where a step costs a factorisation)."""
+    return 1 if jax.default_backend() == "cpu" else on_accelerator
 
 
 def options(
@@ -366,8 +388,14 @@ def options(
     rule=None,
     linear_solver=None,
     extra_linear_solvers=("auto",),
+    check_every=1,
+    check_every_on_accelerator=1,
 ):
-    """Check the user's function and the common options; return them as :class:`Options`."""
+    """Check the user's function and the common options; return them as :class:`Options`.
+
+    ``check_every=None`` resolves to :func:`_default_check_every` with
+    ``check_every_on_accelerator``.
+    """
     _checks.check_callable(fn, fn_name)
     _checks.check_positive(rtol, "rtol")
     _checks.check_positive(atol, "atol")
@@ -376,7 +404,11 @@ def options(
     if rule is not None:
         _checks.check_choice(rule, "rule", _checks.RULES)
         _checks.check_linear_solver(linear_solver, rule, extra_linear_solvers)
-    return Options(rtol, atol, max_steps, on_failure, bool(full_output), rule, linear_solver)
+    if check_every is None:
+        check_every = _default_check_every(check_every_on_accelerator)
+    check_every = _checks.check_max_steps(check_every, "check_every")
+    return Options(rtol, atol, max_steps, on_failure, bool(full_output), rule, linear_solver,
+                   check_every)
 
 
 

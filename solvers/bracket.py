@@ -40,6 +40,7 @@ def bisection(
     linear_solver="auto",
     on_failure="raise",
     full_output=False,
+    check_every=None,
 ):
     """Find a root of a scalar function inside a sign-changing bracket, elementwise.
 
@@ -71,6 +72,9 @@ def bisection(
         ``discontinuity``, ``nonfinite`` or ``max_steps``) are elementwise;
         ``num_steps`` counts the loop's steps (all elements advance together) and
         ``residual_history`` holds the widest unconverged bracket after each step.
+      check_every: steps per convergence test (``None``: 1 on CPU, 4 on GPU/TPU, where each
+        test syncs with the host). A solve may take up to ``check_every - 1`` steps more than
+        it needs (and than ``max_steps``); the guess is still tested first.
 
     Returns:
       The roots (shape of the broadcast inputs), or ``(roots, info)``.
@@ -100,6 +104,7 @@ def bisection(
         linear_solver,
         on_failure,
         full_output,
+        check_every,
     )
 
 
@@ -115,6 +120,7 @@ def chandrupatla(
     linear_solver="auto",
     on_failure="raise",
     full_output=False,
+    check_every=None,
 ):
     """Find a root of a scalar function inside a sign-changing bracket: Chandrupatla's method.
 
@@ -145,6 +151,7 @@ def chandrupatla(
         linear_solver,
         on_failure,
         full_output,
+        check_every,
     )
 
 
@@ -161,10 +168,12 @@ def _bracketed(
     linear_solver,
     on_failure,
     full_output,
+    check_every,
 ):
     opts = _runner.options(
         F, "F", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
         full_output=full_output, rule=rule, linear_solver=linear_solver,
+        check_every=check_every, check_every_on_accelerator=4,
     )
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="diagonal")
@@ -228,8 +237,11 @@ def _solve(
                 return F(x, *args)
 
             zero = jnp.zeros((), lower.dtype)
+            # |F| at the ends, for the pole test after the loop (not carried through it:
+            # the loop is memory-bound, every carried array costs).
+            state0, f_start = init(fn, lower, upper)
             method = _runner.Method(
-                init=lambda ends: init(fn, *ends),
+                init=lambda state: state,
                 step=step(fn, rtol, atol),
                 # Done when no element is still refining: the widest active bracket is 0.
                 terminate=lambda state: _runner.Progress(_error(state), zero),
@@ -237,15 +249,16 @@ def _solve(
             # (No stagnation test: every step shrinks every active bracket.)
             state, info = _runner.iterate(
                 method,
-                (lower, upper),
+                state0,
                 rtol=zero,
                 atol=zero,
                 max_steps=options.max_steps,
                 record_history=options.full_output,
                 stagnation_window=None,
+                check_every=options.check_every,
             )
             x, residual = finish(state)
-            status = _final_status(state, residual)
+            status = _final_status(state, residual, f_start)
             return x, residual, status, info.num_steps, info.residual_history
 
         if _chunked(shape) and not _spmd(out, lower, upper, args):
@@ -379,13 +392,13 @@ def _error(state):
     return jnp.max(jnp.where(active, width, 0.0), initial=0.0)
 
 
-def _final_status(state, residual):
+def _final_status(state, residual, f_start):
     """Elementwise status: still refining is ``max_steps``; a converged bracket on which
     ``|F|`` at the answer exceeds ``|F|`` at both starting ends closed on a pole (or a
     jump), not on a root (near a root ``|F|`` shrinks with the bracket)."""
     status = state.flag.astype(jnp.int32)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
-    pole = (status == _status.CONVERGED) & (residual > state.f_start)
+    pole = (status == _status.CONVERGED) & (residual > f_start)
     return jnp.where(pole, _status.DISCONTINUITY, status)
 
 
@@ -401,7 +414,6 @@ def _final_status(state, residual):
 class _Bisection(NamedTuple):
     a: Any  # F(a) <= 0 <= F(b) (the ends are swapped at the start if need be)
     b: Any
-    f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the midpoint, evaluated
     fx: Any
     flag: Any  # RUNNING, or the element's final status
@@ -421,20 +433,21 @@ def _bisection_init(fn, lower, upper):
     root = jnp.where(fa == 0, lower, upper)
     converged = flag == _status.CONVERGED
     a, b = jnp.where(converged, root, a), jnp.where(converged, root, b)
+    # max(|F(lower)|, |F(upper)|): |F| at the answer must shrink below it (pole test).
     f_start = jnp.maximum(jnp.abs(fa), jnp.abs(fb))
-    return _Bisection(a, b, f_start, *_midpoint(fn, a, b), flag)
+    return _Bisection(a, b, *_midpoint(fn, a, b), flag), f_start
 
 
 def _bisection_step(fn, rtol, atol):
     def step(state):
-        a, b, f_start, x, fx, flag = state
+        a, b, x, fx, flag = state
         active = flag == _status.RUNNING
         a = jnp.where(active & (fx <= 0), x, a)  # F(x) = 0: both ends move to x
         b = jnp.where(active & (fx >= 0), x, b)
         width = jnp.abs(b - a)
         converged = (width <= atol + rtol * jnp.abs(x)) | _cannot_shrink(a, b)
         flag = _next_flag(flag, active, fx, converged)
-        return _Bisection(a, b, f_start, *_midpoint(fn, a, b), flag)
+        return _Bisection(a, b, *_midpoint(fn, a, b), flag)
 
     return step
 
@@ -453,7 +466,6 @@ class _Chandrupatla(NamedTuple):
     f2: Any
     x3: Any  # the previous point (for the interpolation)
     f3: Any
-    f_start: Any  # max(|F(lower)|, |F(upper)|): |F| at the ends must shrink below it
     x: Any  # the next point, evaluated
     fx: Any
     flag: Any
@@ -462,15 +474,15 @@ class _Chandrupatla(NamedTuple):
 def _chandrupatla_init(fn, lower, upper):
     f1, f2 = fn(lower), fn(upper)
     flag = _initial_flag(lower, upper, f1, f2)
-    f_start = jnp.maximum(jnp.abs(f1), jnp.abs(f2))
+    f_start = jnp.maximum(jnp.abs(f1), jnp.abs(f2))  # for the pole test
     return _Chandrupatla(
-        lower, upper, f1, f2, upper, f2, f_start, *_midpoint(fn, lower, upper), flag,
-    )
+        lower, upper, f1, f2, upper, f2, *_midpoint(fn, lower, upper), flag,
+    ), f_start
 
 
 def _chandrupatla_step(fn, rtol, atol):
     def step(state):
-        x1, x2, f1, f2, x3, f3, f_start, x, f, flag = state
+        x1, x2, f1, f2, x3, f3, x, f, flag = state
         active = flag == _status.RUNNING
         # Keep the bracket: the new point replaces the end of its own sign.
         same = (f < 0) == (f1 < 0)
@@ -504,7 +516,7 @@ def _chandrupatla_step(fn, rtol, atol):
         t = jnp.where(safe & jnp.isfinite(iqi), iqi, 0.5)
         limit = jnp.minimum(0.5 * tol / jnp.where(width > 0, width, 1.0), 0.5)
         x = x1 + jnp.clip(t, limit, 1 - limit) * (x2 - x1)
-        return _Chandrupatla(x1, x2, f1, f2, x3, f3, f_start, x, fn(x), flag)
+        return _Chandrupatla(x1, x2, f1, f2, x3, f3, x, fn(x), flag)
 
     return step
 

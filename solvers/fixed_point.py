@@ -32,6 +32,7 @@ def fixed_point(
     linear_solver="auto",
     on_failure="raise",
     full_output=False,
+    check_every=None,
 ):
     """Find ``x*`` with ``f(x*, *args) == x*``, differentiable by the implicit function theorem.
 
@@ -69,6 +70,9 @@ def fixed_point(
         ``num_steps`` (0 when the guess passes the test), ``residual``,
         ``residual_history`` and ``status`` (``converged``, ``max_steps``, ``nonfinite``
         or ``stagnated``; see :data:`solvers.STATUSES`).
+      check_every: steps per convergence test (``None``: 1 on CPU, 4 on GPU/TPU, where each
+        test syncs with the host). A solve may take up to ``check_every - 1`` steps more than
+        it needs (and than ``max_steps``); the guess is still tested first.
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -82,6 +86,7 @@ def fixed_point(
     opts = _runner.options(
         f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
         full_output=full_output, rule=rule, linear_solver=linear_solver,
+        check_every=check_every, check_every_on_accelerator=4,
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_positive(damping, "damping", allow_none=False)
@@ -156,6 +161,7 @@ def _solve(
             atol=atol,
             max_steps=options.max_steps,
             record_history=options.full_output,
+            check_every=options.check_every,
         )
         return state[0], info
 

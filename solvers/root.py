@@ -56,6 +56,7 @@ def root(
     linear_solver="auto",
     on_failure="raise",
     full_output=False,
+    check_every=None,
 ):
     """Find ``x*`` with ``F(x*, *args) == 0``, differentiable by the implicit function theorem.
 
@@ -65,8 +66,9 @@ def root(
     error of ``x + d`` is small: ``max|d| <= atol + rtol * max|x|``, where ``|d|`` is
     scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``;
     a small step from chord's or Broyden's stale Jacobian counts only if ``|F|`` at least
-    halved over it (else the Jacobian is refreshed to decide: a stale approximation can
-    give a tiny step far from a root). A guess with ``F(x0) == 0`` is returned after zero
+    halved over it or is down to ``rtol`` times its value at the guess (else the
+    Jacobian is refreshed to decide: a stale approximation can give a tiny step far
+    from a root). A guess with ``F(x0) == 0`` is returned after zero
     steps.
     Gradients with respect to ``args`` and to traced values ``F`` closes over are
     ``-(∂F/∂x)⁻¹ ∂F/∂θ`` (one adjoint linear solve with ``linear_solver``); the
@@ -96,6 +98,10 @@ def root(
         ``max|d|`` scaled as above) and ``status`` (why it stopped: ``converged``,
         ``max_steps``, ``nonfinite``, ``stagnated``, ``singular`` or ``no_decrease``; see
         :data:`solvers.STATUSES`).
+      check_every: steps per convergence test (``None``: 1, also on GPU/TPU: a step costs a
+        Jacobian, more than the test's sync with the host). A solve may take up to
+        ``check_every - 1`` steps more than it needs (and than ``max_steps``); the guess is
+        still tested first.
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -109,6 +115,7 @@ def root(
     opts = _runner.options(
         F, "F", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
         full_output=full_output, rule=rule, linear_solver=linear_solver,
+        check_every=check_every, check_every_on_accelerator=1,
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_choice(jacobian, "jacobian", JACOBIANS)
@@ -186,6 +193,7 @@ def _solve(
             atol=atol,
             max_steps=options.max_steps,
             record_history=options.full_output,
+            check_every=options.check_every,
         )
         # A guess that is an exact root comes back unchanged after its zero-length step:
         # no step was taken.

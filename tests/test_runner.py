@@ -98,6 +98,83 @@ def test_history():
     assert np.all(np.isnan(info.residual_history[3:]))
 
 
+# --- check_every: several steps per convergence test ---------------------------------------
+
+
+def test_check_every_tests_after_each_trip_and_the_guess_first():
+    # errors[k] is the error after k steps; the test passes from step 5 on.
+    errors = [1.0, 0.5, 0.1, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0]
+    for every, steps in [(1, 5), (2, 6), (3, 6), (4, 8)]:
+        _, info = _run(_toy(errors), check_every=every)
+        assert int(info.num_steps) == steps and info.status_name == "converged", every
+    _, info = _run(_toy([0.0, 1.0]), check_every=4)  # the guess: zero steps
+    assert int(info.num_steps) == 0
+
+
+def test_check_every_history_and_max_steps():
+    _, info = _run(_toy(np.linspace(1.0, 0.5, 50)), max_steps=10, check_every=4,
+                   record_history=True)
+    # max_steps is reached after a whole trip: 12 steps; errors recorded where tested.
+    assert info.status_name == "max_steps" and int(info.num_steps) == 12
+    h = np.asarray(info.residual_history)
+    expected = np.linspace(1.0, 0.5, 50)
+    np.testing.assert_allclose(h[[3, 7]], expected[[4, 8]])
+    assert np.isnan(np.delete(h, [3, 7])).all()
+
+
+def test_check_every_stagnation_window_counts_steps():
+    errors = np.r_[1.0, 0.5, np.full(400, 0.6)]
+    _, info = _run(_toy(errors), max_steps=500, check_every=5)
+    assert info.status_name == "stagnated"
+    assert int(info.num_steps) == 5 + _runner.STAGNATION_WINDOW
+
+
+@pytest.mark.parametrize("every", [1, 3, 4])
+def test_check_every_gives_the_same_solutions_and_gradients(every):
+    # cos fixed point (Dottie number) and its derivative in a: x = a cos x,
+    # dx/da = cos x / (1 + a sin x).
+    f = lambda x, a: a * jnp.cos(x)  # noqa: E731
+    solve = jax.jit(lambda a: solvers.fixed_point(f, 0.3, a, check_every=every))
+    x = float(solve(1.0))
+    np.testing.assert_allclose(x, 0.7390851332151607, rtol=2e-5)
+    np.testing.assert_allclose(float(jax.grad(solve)(1.0)),
+                               math.cos(x) / (1 + math.sin(x)), rtol=1e-4)
+    # A fixed-point guess is returned after zero steps.
+    _, info = solvers.fixed_point(f, jnp.float32(0.7390851332151607), 1.0,
+                                  check_every=every, full_output=True)
+    assert int(info.num_steps) == 0
+    a = jnp.array([8.0, 27.0, 64.0])
+    cube = lambda x, a: x**3 - a  # noqa: E731
+    np.testing.assert_allclose(solvers.root(cube, jnp.ones(3), a, check_every=every),
+                               [2.0, 3.0, 4.0], rtol=1e-5)
+    roots = jax.vmap(lambda a: solvers.bisection(cube, 0.0, 10.0, a, check_every=every))(a)
+    np.testing.assert_allclose(roots, [2.0, 3.0, 4.0], rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(lambda a: jnp.sum(solvers.chandrupatla(cube, 0.0, 10.0, a,
+                                                         check_every=every)))(a),
+        1 / (3 * np.array([2.0, 3.0, 4.0]) ** 2), rtol=1e-4)
+
+
+def test_check_every_failures_still_raise():
+    with pytest.raises(Exception, match="status .nonfinite."):
+        jax.block_until_ready(jax.jit(lambda x0: solvers.fixed_point(
+            lambda x: 2 * x + 1, x0, check_every=4))(0.0))
+    with pytest.raises(solvers.ConvergenceError, match="max_steps"):
+        solvers.fixed_point(lambda x: jnp.cos(x), 0.3, max_steps=5, check_every=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_check_every_must_be_a_positive_int(bad):
+    with pytest.raises((TypeError, ValueError), match="check_every"):
+        solvers.fixed_point(lambda x: x, 0.0, check_every=bad)
+
+
+def test_check_every_default_is_one_on_cpu():
+    assert _runner.options(lambda x: x, "f", rtol=None, atol=None, max_steps=3,
+                           on_failure="raise", full_output=False,
+                           check_every=None).check_every == 1
+
+
 def test_status_names():
     assert solvers.STATUSES[0] == "converged"
     assert solvers.status_name(0) == "converged"

@@ -143,6 +143,45 @@ def test_large_bracketed_solve_stays_sharded():
         assert float(err) < 1e-5
 
 
+def test_check_every_amortises_the_cross_device_test():
+    """A batch-sharded DEQ solve: with check_every=k a loop trip runs k steps and one
+    stopping test, so the all-reduces per solve drop about k-fold (the steps between
+    tests compute no error); the solution is the same."""
+    proc = _script(
+        """
+        import re
+        mesh = jax.make_mesh((8,), ('b',), axis_types=(AxisType.Auto,))
+        shard = NamedSharding(mesh, P('b'))
+        W = jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)) * 0.1)
+        z0 = jax.device_put(jnp.zeros((64, 32)), shard)
+        b = jax.device_put(jnp.ones((64, 32)), shard)
+        layer = lambda z, W, b: jnp.tanh(z @ W.T + b)
+        for k in (1, 4):
+            f = jax.jit(lambda z0, W, b: solvers.fixed_point(layer, z0, W, b, check_every=k,
+                                                             full_output=True))
+            hlo = f.lower(z0, W, b).compile().as_text()
+            ops = len(re.findall(r"all-reduce(?:-start)?[(]", hlo))
+            z, info = f(z0, W, b)
+            trips = -(-int(info.num_steps) // k)
+            # k = 1: every trip tests (ops per trip); k > 1: half the ops belong to the
+            # warm-up step before the loop, half to the trip.
+            per_solve = ops * (int(info.num_steps) + 1) if k == 1 else ops // 2 * (trips + 1)
+            print("K", k, ops, int(info.num_steps), per_solve, float(jnp.sum(z)),
+                  z.sharding.spec)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"K (\d+) (\d+) (\d+) (\d+) (\S+) (.*)", proc.stdout)
+    assert len(rows) == 2, proc.stdout
+    (_, ops1, steps1, solve1, sum1, spec1), (_, ops4, steps4, solve4, sum4, spec4) = rows
+    print(proc.stdout)
+    assert 0 < int(ops4) <= 2 * int(ops1)  # the trip's steps add no all-reduce
+    assert int(steps1) <= int(steps4) <= int(steps1) + 3
+    assert int(solve4) * 2 < int(solve1)
+    assert abs(float(sum1) - float(sum4)) <= 1e-4 * abs(float(sum1))
+    assert spec1 == spec4 == "P('b',)"
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
