@@ -293,7 +293,7 @@ def _newton(ops, history_size):
         new = jnp.where(fnorm_prev > 0, jnp.clip(new, ops.eta_min, _ETA_MAX), _ETA_MAX)
         return fx, -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
 
-    def update(state, quasi, x, fx, d, moved, small):
+    def update(state, quasi, x, fx, d, moved, halved, small):
         return None
 
     return direction, update, lambda x0: None
@@ -342,11 +342,11 @@ def _chord(ops, history_size):
     """Chord: the Jacobian of an earlier iterate, kept while |F| at least halves."""
     del history_size
 
-    def update(state, q, x, fx, d, moved, small):
+    def update(state, q, x, fx, d, moved, halved, small):
         d_next = -_apply_h(ops, q, fx)
         # Kelley's rule: a chord step that reduces |F| less than twofold is too slow, so
         # the Jacobian is recomputed (still one factorisation per few steps).
-        refresh = ~moved | (_norm(fx) > 0.5 * _norm(state.fx)) | small
+        refresh = ~moved | ~halved | small
         refresh = refresh | ~jnp.isfinite(_runner.max_norm(d_next))
         return q._replace(d=d_next, refresh=refresh)
 
@@ -357,7 +357,8 @@ def _broyden(ops, history_size):
     """Good Broyden: rank-one updates of the initial Jacobian's inverse (product form)."""
     eps = jnp.finfo(ops.eta_min.dtype).eps
 
-    def update(state, q, x, fx, d, moved, small):
+    def update(state, q, x, fx, d, moved, halved, small):
+        del halved
         z = _apply_h(ops, q, fx)  # H_k F(x_next)
         step = x - state.x
         hy = z + d  # H_k (F(x_next) - F(x)), as H_k F(x) = -d
@@ -414,11 +415,13 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         scale = _runner.max_norm(x + d)
         small = d_ok & (error <= atol + rtol * scale)
         if line_search:
-            x_new, f_new, t, ok = _line_search(fn, x, fx, d, skip=small | ~d_ok | ~f_ok)
+            x_new, f_new, f_new_norm, t, ok = _line_search(fn, x, fx, d,
+                                                           skip=small | ~d_ok | ~f_ok)
         else:
             x_new = x + d
             f_new = fn(x_new)
-            t, ok = 1.0, jnp.isfinite(jnp.max(jnp.abs(f_new)))
+            f_new_norm = _norm(f_new)
+            t, ok = 1.0, jnp.isfinite(f_new_norm)
         moved = f_ok & d_ok & (ok | small)
         no_decrease = _status.NO_DECREASE if line_search else _status.NONFINITE
         status = jnp.where(
@@ -440,11 +443,11 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         # refreshed to decide; at the rounding floor |F| no longer halves).
         fnorm = _norm(fx)
         f_start = jnp.where(state.f_start < 0, fnorm, state.f_start)
-        f_next_norm = _norm(f_next)
-        confirmed = (fresh | (f_next_norm <= 0.5 * fnorm) | (f_max == 0)
-                     | (f_next_norm <= rtol * f_start))
+        f_next_norm = jnp.where(moved, f_new_norm, fnorm)
+        halved = f_next_norm <= 0.5 * fnorm
+        confirmed = fresh | halved | (f_max == 0) | (f_next_norm <= rtol * f_start)
         if quasi is not None:
-            quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved,
+            quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved, halved,
                            small & ~confirmed)
         return state._replace(
             x=x_next, fx=f_next, status=status, error=error,
@@ -478,7 +481,8 @@ def _line_search(fn, x, fx, d, skip):
 
     Each trial ``t`` comes from the quadratic model of ``|F(x + t d)|²`` (slope
     ``-2 |F(x)|²`` along a Newton direction), kept within ``[0.1, 0.5]`` of the previous
-    one; a non-finite ``F`` shrinks ``t`` tenfold. Returns ``(x + t d, F(x + t d), t, ok)``;
+    one; a non-finite ``F`` shrinks ``t`` tenfold. Returns ``(x + t d, F(x + t d),
+    |F(x + t d)|, t, ok)``;
     with ``skip`` the full step is returned as is. ``F`` appears once in the program (the
     loop's first pass tries ``t = 1``), which keeps compilation short.
     """
@@ -505,4 +509,4 @@ def _line_search(fn, x, fx, d, skip):
     one = jnp.ones((), f0.dtype)
     init = (one, x, fx, f0, 0)
     t, x_t, f_t, fnorm, _ = _sharding.while_loop(cond, body, init)
-    return x_t, f_t, t, skip | accepted(t, fnorm)
+    return x_t, f_t, fnorm, t, skip | accepted(t, fnorm)
