@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from implicit import _checks
+from implicit import _checks, _sharding
 from solvers import _runner, _status
 
 __all__ = ["bisection", "chandrupatla"]
@@ -33,6 +33,7 @@ def bisection(
     lower,
     upper,
     *args,
+    expand=False,
     rtol=None,
     atol=None,
     max_steps=256,
@@ -57,6 +58,10 @@ def bisection(
       lower, upper: the bracket ends (arrays or numbers, broadcast together; either
         order). ``F(lower)`` and ``F(upper)`` must differ in sign (or one be zero).
       *args: parameters (pytrees of arrays), differentiated.
+      expand: widen a bracket on which ``F`` does not change sign before solving:
+        the end with the smaller ``|F|`` moves outwards by 1.6 times the width, up to
+        ``EXPAND_TRIES`` (50) times per element (``F`` at an end non-finite: stop). An
+        element still without a sign change fails with status ``no_sign_change``.
       rtol, atol: tolerances on the bracket width (defaults follow the dtype: 1e-5/1e-6
         in float32, 1e-8/1e-10 in float64).
       max_steps: iteration cap.
@@ -90,6 +95,9 @@ def bisection(
       >>> x = solvers.bisection(lambda x, a: x ** 3 - a, 0.0, 10.0, a, on_failure="nan")
       >>> print(jnp.round(x, 4))
       [ 2. nan]
+      >>> x = solvers.bisection(lambda x, a: x ** 3 - a, 0.0, 10.0, a, expand=True)
+      >>> print([round(float(v), 3) for v in x])  # the bracket widened to a sign change
+      [2.0, 12.599]
     """
     return _bracketed(
         "bisection",
@@ -97,6 +105,7 @@ def bisection(
         lower,
         upper,
         args,
+        expand,
         rtol,
         atol,
         max_steps,
@@ -113,6 +122,7 @@ def chandrupatla(
     lower,
     upper,
     *args,
+    expand=False,
     rtol=None,
     atol=None,
     max_steps=256,
@@ -144,6 +154,7 @@ def chandrupatla(
         lower,
         upper,
         args,
+        expand,
         rtol,
         atol,
         max_steps,
@@ -161,6 +172,7 @@ def _bracketed(
     lower,
     upper,
     args,
+    expand,
     rtol,
     atol,
     max_steps,
@@ -191,6 +203,7 @@ def _bracketed(
         F=F,
         fn=F,
         method=method,
+        expand=bool(expand),
         solver=f"solvers.{method}",
     )
 
@@ -205,6 +218,7 @@ def _solve(
     *,
     F,
     method,
+    expand,
     options,
     solver,
     check,
@@ -237,6 +251,8 @@ def _solve(
                 return F(x, *args)
 
             zero = jnp.zeros((), lower.dtype)
+            if expand:
+                lower, upper = _expand(fn, lower, upper)
             # |F| at the ends, for the pole test after the loop (not carried through it:
             # the loop is memory-bound, every carried array costs).
             state0, f_start = init(fn, lower, upper)
@@ -361,10 +377,57 @@ def _broadcasts_to(leaf_shape, shape):
         return False
 
 
+#: Bracket expansion (``expand=True``): tries per element and the growth factor (the
+#: end with the smaller |F| moves outwards by this many widths; Numerical Recipes' zbrac).
+EXPAND_TRIES = 50
+EXPAND_FACTOR = 1.6
+
+
+def _sign_change(fa, fb):
+    return ((fa <= 0) & (fb >= 0)) | ((fa >= 0) & (fb <= 0))  # False for NaN
+
+
+def _expand(fn, a, b):
+    """Widen each bracket ``[a, b]`` without a sign change, elementwise (``expand=True``).
+
+    The loop stops when every element has a sign change, a non-finite ``F`` at an end,
+    or has used ``EXPAND_TRIES`` tries; the brackets are then solved as given (and an
+    element still without a sign change fails there as ``no_sign_change``). The ends are
+    not differentiated (the root's derivative comes from the implicit function theorem).
+    """
+    a, b = jax.lax.stop_gradient(a), jax.lax.stop_gradient(b)
+    fa, fb = fn(a), fn(b)
+
+    def searching(a, b, fa, fb):
+        finite = jnp.isfinite(a) & jnp.isfinite(b) & jnp.isfinite(fa) & jnp.isfinite(fb)
+        return finite & ~_sign_change(fa, fb)
+
+    def cond(carry):
+        a, b, fa, fb, i = carry
+        return jnp.any(searching(a, b, fa, fb)) & (i < EXPAND_TRIES)
+
+    def body(carry):
+        a, b, fa, fb, i = carry
+        move = searching(a, b, fa, fb)
+        move_a = move & (jnp.abs(fa) < jnp.abs(fb))
+        move_b = move & ~move_a
+        a_new = jnp.where(move_a, a + EXPAND_FACTOR * (a - b), a)
+        b_new = jnp.where(move_b, b + EXPAND_FACTOR * (b - a), b)
+        # One evaluation per element and trip: at whichever end moved.
+        x = jnp.where(move_a, a_new, b_new)
+        fx = fn(x)
+        fa = jnp.where(move_a, fx, fa)
+        fb = jnp.where(move_b, fx, fb)
+        return a_new, b_new, fa, fb, i + 1
+
+    a, b, _, _, _ = _sharding.while_loop(cond, body, (a, b, fa, fb, jnp.int32(0)))
+    return a, b
+
+
 def _initial_flag(a, b, fa, fb):
     """Elementwise status of a new bracket ``[a, b]`` with ``F`` values ``fa``, ``fb``."""
     finite = jnp.isfinite(a) & jnp.isfinite(b)
-    sign_change = ((fa <= 0) & (fb >= 0)) | ((fa >= 0) & (fb <= 0))  # False for NaN
+    sign_change = _sign_change(fa, fb)
     return jnp.where(
         finite & sign_change,
         jnp.where((fa == 0) | (fb == 0), _status.CONVERGED, _status.RUNNING),

@@ -273,6 +273,38 @@ def test_adjoint_linear_solver_choice():
         np.testing.assert_allclose(g, expected, rtol=1e-4)
 
 
+# --- expand=True: widening a bracket without a sign change ---------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_expand_finds_a_sign_change_elementwise(method, x64):
+    solve = getattr(solvers, method)
+    a = jnp.array([8.0, 2000.0, 1e9, -27.0, 0.001])  # roots 2, 12.6, 1000, -3, 0.1
+    cube = lambda x, a: x**3 - a  # noqa: E731
+    run = jax.jit(lambda a: solve(cube, 0.0, 10.0, a, expand=True))
+    np.testing.assert_allclose(run(a), np.cbrt(np.asarray(a)), rtol=1e-7)
+    g = jax.grad(lambda a: jnp.sum(run(a)))(a)
+    np.testing.assert_allclose(g, 1 / (3 * np.cbrt(np.asarray(a)) ** 2), rtol=1e-6)
+    # Far from the bracket and in either order; vmapped.
+    far = jax.vmap(lambda c: solve(lambda x, c: x - c, 1.0, 0.0, c, expand=True))
+    np.testing.assert_allclose(far(jnp.array([1e6, -1e6, 0.5])), [1e6, -1e6, 0.5],
+                               rtol=1e-9)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_expand_that_finds_nothing_fails_clearly(method):
+    solve = getattr(solvers, method)
+    no_root = lambda x, c: x**2 + c  # noqa: E731
+    with pytest.raises(solvers.ConvergenceError, match="no_sign_change"):
+        solve(no_root, 0.0, 1.0, 1.0, expand=True)
+    # 'nan' marks exactly the element without a root (log: NaN once the end goes below 0).
+    x, info = solve(lambda x, c: jnp.log(x) - c, 0.5, 1.0, jnp.array([2.0, -50.0]),
+                    expand=True, on_failure="nan", full_output=True)
+    np.testing.assert_allclose(x[0], np.exp(2.0), rtol=1e-5)
+    assert np.isnan(x[1])
+    assert list(info.status_name) == ["converged", "no_sign_change"]
+
+
 def test_docstring_examples():
     failures, tried = doctest.testmod(bracket_module)
     assert tried > 0 and failures == 0
