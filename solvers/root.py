@@ -14,6 +14,11 @@ backtracking (Armijo) line search on ``|F|``. They differ in ``J``:
 Chord and Broyden recompute the Jacobian when the memory is full or their direction
 fails the line search; a direction from a fresh Jacobian that fails is a reported
 failure (singular Jacobian, no decrease), never a NaN handed back without notice.
+
+``"dogleg"`` globalises with a trust region instead of a line search (Powell's dogleg
+on ``|F|²`` with a fresh dense Jacobian, as MINPACK's ``hybrj``): it also converges
+where the Newton direction is useless far from the root (e.g. ``tanh(2y) = 0`` from
+``y0 = 5``) and where the Jacobian is singular away from it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
 
-METHODS = ("newton", "chord", "broyden")
+METHODS = ("newton", "chord", "broyden", "dogleg")
 JACOBIANS = ("auto", "dense", "matfree")
 #: ``jacobian="auto"`` materialises the Jacobian up to this many unknowns (an LU solve of
 #: this size costs about as much as a few dozen matrix-free GMRES iterations).
@@ -78,7 +83,8 @@ def root(
       F: ``F(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
       x0: initial guess (pytree of arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated.
-      method: ``"newton"``, ``"chord"`` or ``"broyden"``.
+      method: ``"newton"``, ``"chord"``, ``"broyden"`` or ``"dogleg"`` (trust region;
+        dense Jacobian; ``line_search`` and ``history_size`` do not apply).
       jacobian: ``"dense"`` (``jax.jacfwd`` and LU), ``"matfree"`` (GMRES on ``jax.jvp``;
         no Jacobian is formed) or ``"auto"`` (dense up to ``DENSE_MAX_SIZE`` unknowns).
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
@@ -126,7 +132,10 @@ def root(
     x0 = _checks.as_floating(x0, "x0")
     size = sum(leaf.size for leaf in jax.tree.leaves(x0))
     if jacobian == "auto":
-        jacobian = "dense" if size <= DENSE_MAX_SIZE else "matfree"
+        jacobian = "dense" if size <= DENSE_MAX_SIZE or method == "dogleg" else "matfree"
+    if method == "dogleg" and jacobian != "dense":
+        raise ValueError("method='dogleg' forms the Jacobian: it needs jacobian='dense' "
+                         f"(or 'auto'), got jacobian={jacobian!r}")
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
     dtype = jnp.result_type(*jax.tree.leaves(x0))
@@ -186,8 +195,13 @@ def _solve(
             return ravel_pytree(F(unravel(v), *args))[0]
 
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps))
+        if method == "dogleg":
+            runner_method = _dogleg(fn)
+        else:
+            runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
+                                    line_search, rtol, atol)
         state, info = _runner.iterate(
-            _method(fn, ops, *_METHODS[method](ops, history_size), line_search, rtol, atol),
+            runner_method,
             x0_flat,
             rtol=rtol,
             atol=atol,
@@ -461,6 +475,112 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
                                 confirmed=state.confirmed)
 
     return _runner.Method(init, step, terminate)
+
+
+# --- dogleg trust region ---------------------------------------------------------------
+
+
+class _Trust(NamedTuple):
+    x: Any  # the iterate (flat)
+    fx: Any  # F(x)
+    jac: Any  # J(x)
+    newton: Any  # the Newton step -J(x)⁻¹ F(x) (non-finite where J is singular)
+    radius: Any  # the trust region's radius (2-norm)
+    evaluated: Any  # whether x has been evaluated (the first step evaluates the guess)
+    status: Any
+    error: Any
+    scale: Any
+
+
+_TRUST_ACCEPT = 1e-4  # accept a step whose actual reduction is this share of the predicted
+_TRUST_RADIUS0 = 100.0  # initial radius: this times |x0| (or this if x0 = 0), as hybr
+
+
+def _dogleg(fn):
+    """Powell's dogleg trust region on ``|F|²`` with a fresh dense Jacobian at every
+    accepted point (as MINPACK's ``hybrj``, without its Broyden updates).
+
+    Each step proposes the Newton step if it fits the trust region, else the point
+    where the path from the Cauchy point (the model's minimiser along the steepest
+    descent of ``|F|²``) to the Newton step leaves the region, or the steepest-descent
+    step to its edge (also where ``J`` is singular). A trial that reduces ``|F|²`` by
+    at least ``_TRUST_ACCEPT`` times the model's prediction is taken; the radius shrinks
+    to a quarter of a poor step, doubles after a very good one at the edge. The error
+    of an iterate is its Newton step's length (0 at an exact root): the test trusts
+    only a fresh Jacobian's step. A region shrunk to rounding without a decrease is
+    ``no_decrease`` (a local minimum of ``|F|``, or a tolerance below the precision).
+    """
+
+    def evaluate(y):
+        jac, fy = jax.jacfwd(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(y)
+        newton = -_lu_solve(_lu_factor(jac), fy)
+        return fy, jac, jnp.where(_runner.max_norm(fy) == 0, 0.0, newton)
+
+    def init(x0):
+        n = x0.size
+        dtype = x0.dtype
+        big = jnp.asarray(jnp.finfo(dtype).max, dtype)
+        zero = jnp.zeros((), dtype)
+        return _Trust(x0, jnp.zeros_like(x0), jnp.zeros((n, n), dtype), jnp.zeros_like(x0),
+                      zero, jnp.bool_(False), jnp.int32(_status.RUNNING), big, zero)
+
+    def proposal(state):
+        """The dogleg step for the state's trust region, and its 2-norm."""
+        fx, jac, newton, radius = state.fx, state.jac, state.newton, state.radius
+        g = jac.T @ fx  # the gradient of |F|² / 2
+        jg = jac @ g
+        g_norm = _norm(g)
+        cauchy = -(g @ g) / jnp.where(jg @ jg > 0, jg @ jg, 1.0) * g
+        c_norm = _norm(cauchy)
+        n_norm = _norm(newton)
+        newton_ok = jnp.isfinite(n_norm)
+        edge = -radius / jnp.where(g_norm > 0, g_norm, 1.0) * g  # steepest descent, |.|=Δ
+        d = jnp.where(newton_ok, newton, 0.0) - cauchy
+        a, b, c = d @ d, 2.0 * (cauchy @ d), c_norm**2 - radius**2
+        tau = (-b + jnp.sqrt(jnp.maximum(b * b - 4 * a * c, 0.0))) / jnp.where(a > 0, 2 * a, 1)
+        dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
+        p = jnp.where(newton_ok & (n_norm <= radius), newton,
+                      jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
+        return p, _norm(p)
+
+    def step(state):
+        p, p_norm = proposal(state)
+        y = jnp.where(state.evaluated, state.x + p, state.x)
+        fy, jac_y, newton_y = evaluate(y)
+        f2, fy2 = state.fx @ state.fx, fy @ fy
+        model = state.fx + state.jac @ p
+        predicted = f2 - model @ model
+        rho = (f2 - fy2) / jnp.where(predicted > 0, predicted, 1.0)
+        good = jnp.isfinite(fy2) & (predicted > 0) & (rho > _TRUST_ACCEPT)
+        accept = ~state.evaluated | good
+        x, fx, jac, newton = (
+            jnp.where(accept, new, old)
+            for new, old in ((y, state.x), (fy, state.fx), (jac_y, state.jac),
+                             (newton_y, state.newton))
+        )
+        first_radius = _TRUST_RADIUS0 * jnp.where(_norm(y) > 0, _norm(y), 1.0)
+        radius = jnp.where(
+            ~good, 0.25 * p_norm,
+            jnp.where((rho > 0.75) & (p_norm >= 0.99 * state.radius),
+                      jnp.maximum(state.radius, 2.0 * p_norm), state.radius),
+        )
+        radius = jnp.where(state.evaluated, radius, first_radius).astype(x.dtype)
+        f_max = _runner.max_norm(fx)
+        step_size = _runner.max_norm(newton)
+        eps = jnp.finfo(x.dtype).eps
+        stuck = state.evaluated & ~good & (radius <= eps * jnp.maximum(_norm(x), eps))
+        status = jnp.where(~jnp.isfinite(f_max), _status.NONFINITE,
+                           jnp.where(stuck, _status.NO_DECREASE, _status.RUNNING))
+        big = jnp.finfo(x.dtype).max
+        error = jnp.where(jnp.isfinite(step_size), step_size, big).astype(x.dtype)
+        scale = _runner.max_norm(x + jnp.where(jnp.isfinite(step_size), newton, 0.0))
+        return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
+                      error, scale.astype(x.dtype))
+
+    def terminate(state):
+        return _runner.Progress(state.error, state.scale, state.status)
+
+    return _runner.Method(init, step, terminate, warmup=True)
 
 
 def _initial_quasi(ops, history_size):

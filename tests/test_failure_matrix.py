@@ -238,6 +238,20 @@ def _cases():
                             -4.0, 1.0, 2.0, -0.25, ift=lambda x, a: -1 / (2 * x))
         cases += [diverge, nan, max_steps, stagnate]
 
+    label = "root[dogleg]"
+    cases += [
+        Case("solvers.root", label, "nan", "nonfinite", _root(rt_nan, 1.5, "dogleg"), 0.5,
+             2.0, 4 ** (1 / 3), 8 / (3 * 4 ** (2 / 3))),
+        Case("solvers.root", label, "max_steps", "max_steps",
+             _root(cube, 2.0, "dogleg", max_steps=2), 8.0, 1000.0, 2.0, 1 / 12,
+             ift=lambda x, a: 1 / (3 * x**2)),
+        # x^2 = -a has no root for a = 1: the trust region shrinks onto the minimum of
+        # |F| at 0 (where J is singular) and reports no decrease.
+        Case("solvers.root", label, "no_root", "no_decrease",
+             _root(rt_square, 1.0, "dogleg", max_steps=1000), -4.0, 1.0, 2.0, -0.25,
+             ift=lambda x, a: -1 / (2 * x)),
+    ]
+
     for name, bisect_steps in (("bisection", 20), ("chandrupatla", 8)):
         label = name
         solver = f"solvers.{name}"

@@ -198,6 +198,25 @@ def test_newton_solves_what_hybr_solves(name, x64):
         assert residual <= RESIDUAL_BOUND, (name, residual)
 
 
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in PROBLEMS]
+)
+def test_dogleg_solves_what_hybr_solves(name, x64):
+    # The trust region (MINPACK's globalisation, with a fresh Jacobian per accepted
+    # point): measured 14 of these 15 against hybr's 13.
+    F, x0 = PROBLEMS[name]
+    x0 = np.asarray(x0, np.float64)
+    hybr_ok, _ = _hybr_solves(F, x0)
+    x, info = solvers.root(F, jnp.asarray(x0), method="dogleg", rtol=1e-10, atol=1e-12,
+                           max_steps=200, on_failure="ignore", full_output=True)
+    residual = float(jnp.max(jnp.abs(F(x))))
+    if hybr_ok:
+        assert bool(info.converged), (name, info)
+        assert residual <= RESIDUAL_BOUND, (name, residual)
+    elif bool(info.converged):
+        assert residual <= RESIDUAL_BOUND, (name, residual)
+
+
 def test_a_local_minimum_of_the_residual_is_reported(x64):
     # Freudenstein–Roth from its standard start: Newton (like hybr) is drawn to a local
     # minimiser of |F| with F ≠ 0; the line search then finds no decrease, and says so.

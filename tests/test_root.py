@@ -437,6 +437,43 @@ def test_inside_a_jitted_loop_without_host_callbacks():
     np.testing.assert_allclose(y, y_ref, rtol=1e-5)
 
 
+# --- dogleg trust region ---------------------------------------------------------------
+
+
+def test_dogleg_converges_outside_newtons_basin(x64):
+    # tanh(2y) = 0: from 5 the Newton step overshoots to where |F| does not decrease along
+    # it; the trust region walks in. (A reported success is the root.)
+    F = lambda y: jnp.tanh(2 * y)  # noqa: E731
+    for y0 in (0.7, 1.0, 2.0, 5.0):
+        x, info = solvers.root(F, jnp.float64(y0), method="dogleg", full_output=True)
+        assert bool(info.converged) and abs(float(x)) < 1e-9, (y0, info)
+    assert solvers.root(F, 5.0, method="newton", on_failure="ignore", full_output=True)[
+        1].status_name != "converged"
+
+
+def test_dogleg_values_gradients_and_transformations(x64):
+    cube = lambda x, a: x**3 - a  # noqa: E731
+    solve = lambda a: solvers.root(cube, jnp.ones(3), a, method="dogleg")  # noqa: E731
+    a = jnp.array([8.0, 27.0, 0.125])
+    np.testing.assert_allclose(jax.jit(solve)(a), [2.0, 3.0, 0.5], rtol=1e-9)
+    np.testing.assert_allclose(jax.grad(lambda a: jnp.sum(solve(a)))(a),
+                               1 / (3 * np.array([2.0, 3.0, 0.5]) ** 2), rtol=1e-7)
+    np.testing.assert_allclose(jax.vmap(lambda a: solvers.root(cube, 1.0, a,
+                                                               method="dogleg"))(a),
+                               [2.0, 3.0, 0.5], rtol=1e-9)
+    # A pytree guess, and a guess that is already a root (singular Jacobian there).
+    x = solvers.root(lambda x: {"u": x["u"] - 1.0, "v": x["v"] * 2.0 - x["u"]},
+                     {"u": 0.0, "v": 0.0}, method="dogleg")
+    np.testing.assert_allclose([x["u"], x["v"]], [1.0, 0.5])
+    x, info = solvers.root(lambda x: x**2, 0.0, method="dogleg", full_output=True)
+    assert float(x) == 0.0 and int(info.num_steps) == 0
+
+
+def test_dogleg_needs_a_dense_jacobian():
+    with pytest.raises(ValueError, match="dogleg.*jacobian='dense'"):
+        solvers.root(lambda x: x, jnp.ones(3), method="dogleg", jacobian="matfree")
+
+
 def test_docstring_examples():
     failures, tried = doctest.testmod(root_module)
     assert tried > 0 and failures == 0
