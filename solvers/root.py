@@ -54,6 +54,8 @@ def root(
     jacobian="auto",
     line_search=True,
     history_size=10,
+    lower=None,
+    upper=None,
     rtol=None,
     atol=None,
     max_steps=100,
@@ -90,6 +92,9 @@ def root(
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
+      lower, upper: optional box bounds (pytrees like ``x0``, or scalars): the guess and
+        every trial point are projected into the box (e.g. to keep ``F`` in its domain).
+        A root outside the box ends the solve as ``no_decrease``.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
         1e-8/1e-10 in float64); the adjoint linear solve uses ``rtol / 10`` (its test is
         on the 2-norm of the whole residual).
@@ -139,10 +144,13 @@ def root(
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
     dtype = jnp.result_type(*jax.tree.leaves(x0))
+    bounds = tuple(_bound(b, x0, name, default) for b, name, default in
+                   ((lower, "lower", -jnp.inf), (upper, "upper", jnp.inf)))
     return _runner.dispatch(
         _solve,
         x0,
         args,
+        bounds,
         *_checks.tolerances(rtol, atol, dtype),
         options=opts,
         F=F,
@@ -153,6 +161,20 @@ def root(
         history_size=int(history_size),
         solver=f"solvers.root(method={method!r})",
     )
+
+
+def _bound(bound, x0, name, default):
+    """A box bound as a pytree like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
+    if bound is None:
+        bound = default
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(bound)) and jnp.ndim(bound) == 0:
+        return jax.tree.map(lambda leaf: jnp.full(jnp.shape(leaf), bound, leaf.dtype), x0)
+    try:
+        return jax.tree.map(lambda b, leaf: jnp.broadcast_to(jnp.asarray(b, leaf.dtype),
+                                                             jnp.shape(leaf)), bound, x0)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"`{name}` must be a scalar or a pytree shaped like x0: {err}") \
+            from None
 
 
 def newton(F, x0, *args, **options):
@@ -174,6 +196,7 @@ def newton(F, x0, *args, **options):
 def _solve(
     x0,
     args,
+    bounds,
     rtol,
     atol,
     *,
@@ -188,18 +211,24 @@ def _solve(
 ):
     _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
 
+    lower, upper = (jax.lax.stop_gradient(ravel_pytree(b)[0]) for b in bounds)
+
+    def project(v):
+        return jnp.clip(v, lower, upper)
+
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
+        x0_flat = project(x0_flat)
 
         def fn(v):
             return ravel_pytree(F(unravel(v), *args))[0]
 
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps))
         if method == "dogleg":
-            runner_method = _dogleg(fn)
+            runner_method = _dogleg(fn, project)
         else:
             runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
-                                    line_search, rtol, atol)
+                                    line_search, rtol, atol, project)
         state, info = _runner.iterate(
             runner_method,
             x0_flat,
@@ -395,7 +424,7 @@ def _broyden(ops, history_size):
 _METHODS = {"newton": _newton, "chord": _chord, "broyden": _broyden}
 
 
-def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
+def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, project):
     """The runner's :class:`~solvers._runner.Method` for a direction and its update."""
     dtype = rtol.dtype
     big = jnp.finfo(dtype).max
@@ -429,10 +458,10 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol):
         scale = _runner.max_norm(x + d)
         small = d_ok & (error <= atol + rtol * scale)
         if line_search:
-            x_new, f_new, f_new_norm, t, ok = _line_search(fn, x, fx, d,
+            x_new, f_new, f_new_norm, t, ok = _line_search(fn, x, fx, d, project,
                                                            skip=small | ~d_ok | ~f_ok)
         else:
-            x_new = x + d
+            x_new = project(x + d)
             f_new = fn(x_new)
             f_new_norm = _norm(f_new)
             t, ok = 1.0, jnp.isfinite(f_new_norm)
@@ -496,7 +525,7 @@ _TRUST_ACCEPT = 1e-4  # accept a step whose actual reduction is this share of th
 _TRUST_RADIUS0 = 100.0  # initial radius: this times |x0| (or this if x0 = 0), as hybr
 
 
-def _dogleg(fn):
+def _dogleg(fn, project):
     """Powell's dogleg trust region on ``|F|²`` with a fresh dense Jacobian at every
     accepted point (as MINPACK's ``hybrj``, without its Broyden updates).
 
@@ -545,7 +574,7 @@ def _dogleg(fn):
 
     def step(state):
         p, p_norm = proposal(state)
-        y = jnp.where(state.evaluated, state.x + p, state.x)
+        y = jnp.where(state.evaluated, project(state.x + p), state.x)
         fy, jac_y, newton_y = evaluate(y)
         f2, fy2 = state.fx @ state.fx, fy @ fy
         model = state.fx + state.jac @ p
@@ -596,7 +625,7 @@ def _initial_quasi(ops, history_size):
     return init
 
 
-def _line_search(fn, x, fx, d, skip):
+def _line_search(fn, x, fx, d, project, skip):
     """Backtrack from ``t = 1`` until ``|F(x + t d)| <= (1 - 1e-4 t) |F(x)|``.
 
     Each trial ``t`` comes from the quadratic model of ``|F(x + t d)|²`` (slope
@@ -609,7 +638,9 @@ def _line_search(fn, x, fx, d, skip):
     f0 = _norm(fx)
 
     def accepted(t, fnorm):
-        return fnorm <= (1.0 - _ARMIJO * t) * f0  # False for NaN
+        # False for NaN; a strict decrease (1 - 1e-4 t rounds to 1 for tiny t, and a
+        # trial projected back onto x must not count as progress).
+        return (fnorm <= (1.0 - _ARMIJO * t) * f0) & ((fnorm < f0) | (f0 == 0))
 
     def cond(carry):
         t, _, _, fnorm, i = carry
@@ -622,7 +653,7 @@ def _line_search(fn, x, fx, d, skip):
         quadratic = t * t / jnp.where(denom > 0, denom, 1.0)
         t_new = jnp.where(jnp.isfinite(fnorm) & (denom > 0), quadratic, 0.1 * t)
         t_new = jnp.where(i == 0, 1.0, jnp.clip(t_new, 0.1 * t, 0.5 * t))
-        x_t = x + t_new * d
+        x_t = project(x + t_new * d)
         f_t = fn(x_t)
         return t_new, x_t, f_t, _norm(f_t), i + 1
 

@@ -474,6 +474,30 @@ def test_dogleg_needs_a_dense_jacobian():
         solvers.root(lambda x: x, jnp.ones(3), method="dogleg", jacobian="matfree")
 
 
+# --- box bounds ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["newton", "chord", "broyden", "dogleg"])
+def test_bounds_select_the_root_in_the_box(method, x64):
+    F = lambda x, a: x**2 - a  # noqa: E731
+    free = solvers.root(F, -1.0, 4.0, method=method)
+    boxed = jax.jit(lambda a: solvers.root(F, -1.0, a, method=method, lower=0.5))
+    np.testing.assert_allclose([free, boxed(4.0)], [-2.0, 2.0], rtol=1e-7)
+    # d/da sqrt(a) = 1 / (2 sqrt(a)): the bound does not enter the derivative.
+    np.testing.assert_allclose(jax.grad(boxed)(4.0), 0.25, rtol=1e-7)
+
+
+def test_bounds_pytrees_and_a_root_outside_the_box():
+    x = solvers.root(lambda x: {"u": x["u"] ** 2 - 4, "v": x["v"] + 1},
+                     {"u": -1.0, "v": 0.0}, lower={"u": 0.5, "v": -5.0}, upper=10.0)
+    np.testing.assert_allclose([x["u"], x["v"]], [2.0, -1.0], rtol=1e-6)
+    for method in ("newton", "dogleg"):
+        with pytest.raises(solvers.ConvergenceError, match="no_decrease"):
+            solvers.root(lambda x: x - 3.0, 0.0, upper=2.0, method=method)
+    with pytest.raises(ValueError, match="`lower` must be a scalar or a pytree shaped like x0"):
+        solvers.root(lambda x: x - 3.0, jnp.zeros(3), lower=jnp.zeros(2))
+
+
 def test_docstring_examples():
     failures, tried = doctest.testmod(root_module)
     assert tried > 0 and failures == 0
