@@ -90,8 +90,11 @@ def least_squares(
       >>> model = lambda p, t: p[0] * jnp.exp(-p[1] * t)
       >>> fit = lambda p, y: model(p, t) - y
       >>> y = model(jnp.array([2.0, 1.5]), t)
-      >>> print(solvers.least_squares(fit, jnp.ones(2), y))
+      >>> print(jnp.round(solvers.least_squares(fit, jnp.ones(2), y), 4))
       [2.  1.5]
+      >>> jac = jax.jacrev(lambda y: solvers.least_squares(fit, jnp.ones(2), y))(y)
+      >>> print(jac.shape)
+      (2, 8)
     """
     opts = _runner.options(
         residual, "residual", rtol=rtol, atol=atol, max_steps=max_steps,
@@ -100,6 +103,9 @@ def least_squares(
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_args(args)
+    # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
+    # when x64 is switched in a scoped context between calls).
+    args = _checks.canonicalize(args)
     x0 = _checks.as_floating(x0, "x0")
     if linear_solver == "auto":
         opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure))
