@@ -1,4 +1,4 @@
-"""Minimisation of a scalar ``fun(x, *args)``: L-BFGS, BFGS, gradient descent, Newton-CG.
+"""Minimisation of a scalar ``fun(x, *args)``: L-BFGS, BFGS, gradient descent, Newton-CG, optax.
 
 Every method steps ``x <- x + t d`` along a descent direction ``d`` with ``t`` from one
 shared backtracking (Armijo) line search; they differ in ``d``:
@@ -10,6 +10,9 @@ shared backtracking (Armijo) line search; they differ in ``d``:
   backtracking search is not stuck with the smallest step it ever took);
 - ``"newton-cg"``: the Newton direction from a truncated conjugate-gradient solve with
   Hessian-vector products (forward over reverse), stopped at negative curvature.
+
+An optax ``GradientTransformation`` passed as the method is run to convergence instead
+(its own steps, no line search).
 
 A quasi-Newton pair ``(s, y)`` enters the memory only if ``sᵀy > 0`` (the curvature
 condition; the update then keeps ``H`` positive definite). A direction that is not a
@@ -74,7 +77,12 @@ def minimize(
         ``has_aux=True``).
       x0: initial guess (pytree of float arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated.
-      method: ``"lbfgs"`` (default), ``"bfgs"``, ``"gradient"`` or ``"newton-cg"``.
+      method: ``"lbfgs"`` (default), ``"bfgs"``, ``"gradient"``, ``"newton-cg"``, or an
+        optax ``GradientTransformation`` (e.g. ``optax.adam(1e-2)``), run to convergence
+        on the user's pytrees: ``x <- x + updates`` with no line search (an
+        ``optax.GradientTransformationExtraArgs`` such as ``optax.lbfgs()`` also gets
+        ``value``, ``grad`` and ``value_fn``). Compiled solvers are cached per
+        transformation object: create it once, outside a loop.
       has_aux: ``fun`` returns ``(value, aux)``; ``aux`` at the solution is returned too
         (differentiable: it is recomputed at ``x*``).
       history_size: L-BFGS memory (number of ``(s, y)`` pairs).
@@ -90,7 +98,9 @@ def minimize(
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
         ``residual`` (``max|∇fun(x*)|``), ``residual_history`` and ``status``
-        (``converged``, ``max_steps``, ``nonfinite``, ``stagnated`` or ``no_decrease``).
+        (``converged``, ``max_steps``, ``nonfinite``, ``stagnated`` — neither ``fun``
+        fell measurably nor the gradient reached a new smallest value for 50 steps — or
+        ``no_decrease``).
 
     Returns:
       ``x*`` (structure of ``x0``); with ``has_aux``, ``(x*, aux)``; with
@@ -110,7 +120,7 @@ def minimize(
         fun, "fun", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
         full_output=full_output, rule=rule, linear_solver=linear_solver,
     )
-    _checks.check_choice(method, "method", METHODS)
+    name = _check_method(method)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be True or False, got {has_aux!r:.80}")
     _checks.check_max_steps(history_size, "history_size")
@@ -134,12 +144,31 @@ def minimize(
         has_aux=has_aux,
         history_size=int(history_size),
         history=bool(full_output),
-        solver=f"solvers.minimize(method={method!r})",
+        solver=f"solvers.minimize(method={name})",
     )
     x, aux = out
     if has_aux:
         return (x, aux, info) if full_output else (x, aux)
     return (x, info) if full_output else x
+
+
+def _check_method(method):
+    """A method name or an optax ``GradientTransformation``; returns its name for messages."""
+    if isinstance(method, str) or not (hasattr(method, "init") and hasattr(method, "update")):
+        if not isinstance(method, str) or method not in METHODS:
+            valid = ", ".join(repr(c) for c in METHODS)
+            raise ValueError(
+                f"unknown `method`={method!r:.80}; valid values are: {valid}, or an optax "
+                "GradientTransformation (e.g. optax.adam(1e-2))"
+            )
+        return repr(method)
+    try:
+        hash(method)
+    except TypeError:
+        raise TypeError(
+            f"`method` (an optax GradientTransformation) must be hashable, got {method!r:.80}"
+        ) from None
+    return "optax"
 
 
 def auto_linear_solver(x0, on_failure):
@@ -205,16 +234,20 @@ def _solve(
             f, g = jax.value_and_grad(lambda v: value(unravel(v), *args))(v)
             return jnp.asarray(f, dtype), ravel_pytree(g)[0].astype(dtype)
 
-        make = _METHODS[method]
+        if isinstance(method, str):
+            make = _METHODS[method]
+            run = _method(value_and_grad, *make(value_and_grad, history_size))
+        else:
+            run = _optax_method(method, value_and_grad, unravel,
+                                lambda params: value(params, *args))
         state, info = _runner.iterate(
-            _method(value_and_grad, *make(value_and_grad, history_size)),
+            run,
             x0_flat,
             rtol=rtol,
             atol=atol,
             max_steps=options.max_steps,
             record_history=history,
-            # Judged on the objective instead (see _method): the gradient need not
-            # decrease monotonically (along a curved valley) while fun does.
+            # Judged on the objective and the gradient together (see _advance).
             stagnation_window=None,
         )
         return unravel(state.x), info
@@ -287,8 +320,9 @@ class _State(NamedTuple):
     error: Any  # max|g| (NaN when f is not finite)
     scale: Any  # max|∇fun(x0)|
     t: Any  # the last accepted step length
-    best: Any  # the smallest fun so far (less its rounding floor)
-    since: Any  # steps since fun last fell below ``best``
+    best: Any  # the smallest fun so far
+    best_error: Any  # the smallest error so far
+    since: Any  # steps without progress (see _advance)
     memory: Any  # the method's own state
 
 
@@ -331,25 +365,69 @@ def _method(value_and_grad, init_memory, direction, update):
         memory = jax.tree.map(lambda new, old: jnp.where(ok, new, old), memory,
                               init_memory(x))
         x, f, g = (jnp.where(ok, new, old) for new, old in ((x_t, x), (f_t, f), (g_t, g)))
-        # Stagnation: fun has not fallen measurably (beyond its rounding floor) for a
-        # whole window of steps (steps accepted by the approximate Wolfe test only).
-        floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(state.best)
-        improved = f < state.best - floor
-        since = jnp.where(improved, 0, state.since + 1)
-        status = jnp.where(
-            ~ok & steepest, _status.NO_DECREASE,
-            jnp.where(since >= _runner.STAGNATION_WINDOW, _status.STAGNATED, _status.RUNNING),
-        )
-        return state._replace(
-            x=x, f=f, g=g, status=status.astype(jnp.int32), error=_error(f, g),
-            t=jnp.where(ok, t, state.t).astype(x.dtype),
-            best=jnp.where(improved, f, state.best), since=since, memory=memory,
-        )
+        state = _advance(state, x, f, g, failed=~ok & steepest)
+        return state._replace(t=jnp.where(ok, t, state.t).astype(x.dtype), memory=memory)
 
-    def terminate(state):
-        return _runner.Progress(state.error, state.scale, state.status)
+    return _runner.Method(_initializer(value_and_grad, init_memory), step, _terminate)
 
-    return _runner.Method(init, step, terminate)
+
+def _initializer(value_and_grad, init_memory):
+    def init(x0):
+        f, g = value_and_grad(x0)
+        return _State(x0, f, g, jnp.int32(_status.RUNNING), _error(f, g),
+                      _runner.max_norm(g), jnp.ones((), x0.dtype), f, _error(f, g),
+                      jnp.int32(0), init_memory(x0))
+
+    return init
+
+
+def _advance(state, x, f, g, failed):
+    """The state at the new iterate, with its status: ``no_decrease`` if ``failed``,
+    ``stagnated`` when for ``STAGNATION_WINDOW`` steps neither has fun fallen measurably
+    (beyond its rounding floor) nor has the gradient reached a new smallest max-norm.
+    Both count as progress: the gradient need not decrease monotonically along a curved
+    valley, and fun stops changing measurably near a minimum while the gradient (what
+    the test judges) still shrinks."""
+    error = _error(f, g)
+    floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(state.best)
+    improved = f < state.best - floor
+    progress = improved | (error < state.best_error)
+    since = jnp.where(progress, 0, state.since + 1)
+    status = jnp.where(
+        failed, _status.NO_DECREASE,
+        jnp.where(since >= _runner.STAGNATION_WINDOW, _status.STAGNATED, _status.RUNNING),
+    )
+    return state._replace(x=x, f=f, g=g, status=status.astype(jnp.int32), error=error,
+                          best=jnp.where(improved, f, state.best),
+                          best_error=jnp.minimum(error, state.best_error), since=since)
+
+
+def _terminate(state):
+    return _runner.Progress(state.error, state.scale, state.status)
+
+
+def _optax_method(tx, value_and_grad, unravel, value_tree):
+    """An optax ``GradientTransformation`` run to convergence: ``x <- x + updates`` with
+    ``updates, opt_state = tx.update(grads, opt_state, params)`` on the user's pytrees
+    (a ``GradientTransformationExtraArgs`` also gets ``value``, ``grad`` and ``value_fn``,
+    which optax's own line searches need)."""
+    import optax
+
+    extra = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def step(state):
+        params, grads = unravel(state.x), unravel(state.g)
+        if extra:
+            updates, opt_state = tx.update(grads, state.memory, params, value=state.f,
+                                           grad=grads, value_fn=value_tree)
+        else:
+            updates, opt_state = tx.update(grads, state.memory, params)
+        x = state.x + ravel_pytree(updates)[0].astype(state.x.dtype)
+        f, g = value_and_grad(x)
+        return _advance(state, x, f, g, failed=jnp.bool_(False))._replace(memory=opt_state)
+
+    init = _initializer(value_and_grad, lambda x0: tx.init(unravel(x0)))
+    return _runner.Method(init, step, _terminate)
 
 
 def _curvature_ok(s, y):

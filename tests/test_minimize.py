@@ -23,6 +23,15 @@ def quadratic(x, a, b):
     return 0.5 * x @ a @ x - b @ x
 
 
+def _adam():
+    import optax
+
+    return optax.adam(0.05)
+
+
+ADAM = _adam()  # created once: compiled solvers are cached per transformation object
+
+
 def rosenbrock(x):
     return 100.0 * (x[1] - x[0] ** 2) ** 2 + (1.0 - x[0]) ** 2
 
@@ -176,6 +185,26 @@ def test_bad_input():
         solvers.minimize(lambda x: jnp.sum(x**2), jnp.zeros(2), method="newton")
     with pytest.raises(ValueError, match="rtol"):
         solvers.minimize(lambda x: jnp.sum(x**2), jnp.zeros(2), rtol=-1.0)
+
+
+def test_optax_transformation_runs_to_convergence(x64):
+    import optax
+
+    a, b = jnp.asarray(A), jnp.asarray(B)
+    x, info = solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM, max_steps=5000,
+                               full_output=True)
+    assert bool(info.converged)
+    np.testing.assert_allclose(x, np.linalg.solve(A, B), rtol=1e-6, atol=1e-8)
+    jac = jax.jacrev(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM,
+                                                max_steps=5000))(b)
+    np.testing.assert_allclose(jac, np.linalg.inv(A), rtol=1e-6, atol=1e-8)
+    # A transformation that takes extra arguments (optax's own L-BFGS with line search),
+    # on a pytree guess.
+    fun = lambda p: rosenbrock(jnp.stack([p["u"], p["v"]]))  # noqa: E731
+    p = solvers.minimize(fun, {"u": -1.2, "v": 1.0}, method=optax.lbfgs())
+    np.testing.assert_allclose([p["u"], p["v"]], [1.0, 1.0], atol=1e-5)
+    with pytest.raises(ValueError, match="or an optax GradientTransformation"):
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, method=optax)
 
 
 def test_auto_linear_solver():
