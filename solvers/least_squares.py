@@ -92,9 +92,9 @@ def least_squares(
       >>> y = model(jnp.array([2.0, 1.5]), t)
       >>> print(jnp.round(solvers.least_squares(fit, jnp.ones(2), y), 4))
       [2.  1.5]
-      >>> jac = jax.jacrev(lambda y: solvers.least_squares(fit, jnp.ones(2), y))(y)
-      >>> print(jac.shape)
-      (2, 8)
+
+      ``jax.jacrev(lambda y: solvers.least_squares(fit, jnp.ones(2), y))(y)`` is then the
+      ``(2, 8)`` sensitivity of the fitted parameters to the data.
     """
     opts = _runner.options(
         residual, "residual", rtol=rtol, atol=atol, max_steps=max_steps,
