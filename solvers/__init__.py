@@ -1,4 +1,4 @@
-"""solvers: fixed points, roots and ODEs in JAX, differentiated by the implicit function theorem.
+"""solvers: fixed points, roots, minima and ODEs in JAX, differentiated implicitly.
 
 Every solver takes the unknown first and the parameters after (``f(x, *args)``), works
 under ``jit``, ``vmap``, ``grad`` and ``grad(grad)``, and takes the common options
@@ -14,6 +14,8 @@ from solvers._runner import ConvergenceError, Info
 from solvers._status import STATUSES, status_name
 from solvers.bracket import bisection, chandrupatla
 from solvers.fixed_point import fixed_point
+from solvers.least_squares import least_squares
+from solvers.minimize import minimize
 from solvers.ode import odeint
 from solvers.root import newton, root
 
@@ -25,6 +27,8 @@ __all__ = [
     "bisection",
     "chandrupatla",
     "fixed_point",
+    "least_squares",
+    "minimize",
     "newton",
     "odeint",
     "root",

@@ -138,9 +138,10 @@ def explain(code, *, max_steps=None):
         )
     if code == NO_DECREASE:
         return (
-            "the line search found no decrease of |F| along the Newton direction (a "
-            "singular or ill-conditioned Jacobian, a local minimum of |F|, or rtol/atol "
-            "below what the floating-point precision allows)",
+            "the line search found no decrease of |F| (of the objective, for minimize and "
+            "least_squares) along the search direction (a singular or ill-conditioned "
+            "Jacobian, a local minimum of |F|, or rtol/atol below what the "
+            "floating-point precision allows)",
             "start elsewhere, or loosen rtol/atol",
         )
     if code == NO_SIGN_CHANGE:

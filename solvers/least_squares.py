@@ -1,0 +1,260 @@
+"""Nonlinear least squares ``min 0.5 ||residual(x, *args)||²``: Levenberg–Marquardt, Gauss–Newton.
+
+Both methods form the Jacobian ``J`` of the residuals (dense: ``jax.jacfwd`` when there
+are at most as many unknowns as residuals, ``jax.jacrev`` otherwise):
+
+- ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` with ``D`` the largest
+  ``diag(JᵀJ)`` seen so far (Moré's scaling, invariant to the units of each unknown)
+  and Nielsen's damping update: a step with gain ratio ``ρ > 0`` is taken and
+  ``μ <- μ max(1/3, 1 - (2ρ - 1)³)``, a rejected one multiplies ``μ`` by ``ν`` (doubling
+  ``ν`` after each rejection in a row);
+- ``"gauss-newton"``: the least-squares step ``h = -J⁺ r`` (``jnp.linalg.lstsq``, fine
+  with a rank-deficient ``J``) and the backtracking Armijo line search of
+  :func:`solvers.minimize`.
+
+The stopping test is on the Gauss–Newton step ``h = -J⁺ r`` at the iterate, an estimate
+of its distance to the minimiser, elementwise: ``|h_i| <= atol + rtol |x_i|`` for every
+unknown (so that unknowns of very different magnitudes are each resolved to ``rtol``).
+The implicit derivatives come from the optimality condition ``Jᵀ r = 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from implicit import _checks
+from solvers import _runner, _status
+from solvers.minimize import auto_linear_solver, line_search
+
+__all__ = ["least_squares"]
+
+METHODS = ("levenberg-marquardt", "gauss-newton")
+
+_TAU = 1e-3  # initial damping μ (relative to D)
+_NU_MAX = 2.0**40  # rejections in a row (ν doubles) before the solve is `no_decrease`
+
+
+def least_squares(
+    residual,
+    x0,
+    *args,
+    method="levenberg-marquardt",
+    rtol=None,
+    atol=None,
+    max_steps=200,
+    rule="vjp",
+    linear_solver="auto",
+    on_failure="raise",
+    full_output=False,
+):
+    """Find ``x* = argmin 0.5 ||residual(x, *args)||²``, differentiable by the implicit
+    function theorem.
+
+    Levenberg–Marquardt (default; Nielsen's damping update, Moré's scaling) or
+    Gauss–Newton with a backtracking line search. The solve stops when the Gauss–Newton
+    step ``h = -J⁺ r`` at the iterate is small for every unknown:
+    ``|h_i| <= atol + rtol |x_i|``. Gradients of ``x*`` with respect to ``args`` and to
+    traced values ``residual`` closes over come from the optimality condition
+    ``J(x*)ᵀ r(x*) = 0`` (one adjoint solve with the Hessian of ``0.5 ||r||²``, whose
+    products come from the VJP of ``Jᵀ r``); the iterations are never differentiated.
+
+    Args:
+      residual: ``residual(x, *args)`` returning an array or a pytree of float arrays
+        (any number of residuals).
+      x0: initial guess (pytree of float arrays; ints are promoted to float).
+      *args: parameters (pytrees of arrays), differentiated (e.g. the data).
+      method: ``"levenberg-marquardt"`` or ``"gauss-newton"``.
+      rtol, atol: tolerances of the test above (defaults follow the dtype: 1e-5/1e-6
+        in float32, 1e-8/1e-10 in float64).
+      max_steps: iteration cap (LM: rejected steps count).
+      rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
+      linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``: as
+        :func:`solvers.minimize` (``"dense"`` up to 64 unknowns, ``"cg"`` above, or
+        ``"gmres"`` with ``on_failure="ignore"``).
+      on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
+      full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
+        ``residual`` (``max|Jᵀr|`` at the solution), ``residual_history`` (each step's
+        test error, ``max(|h_i| - rtol |x_i|, 0)``) and ``status`` (``converged``,
+        ``max_steps``, ``nonfinite``, ``stagnated`` or ``no_decrease``).
+
+    Returns:
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, solvers
+      >>> t = jnp.linspace(0.0, 2.0, 8)
+      >>> model = lambda p, t: p[0] * jnp.exp(-p[1] * t)
+      >>> fit = lambda p, y: model(p, t) - y
+      >>> y = model(jnp.array([2.0, 1.5]), t)
+      >>> print(jnp.round(solvers.least_squares(fit, jnp.ones(2), y), 4))
+      [2.  1.5]
+
+      ``jax.jacrev(lambda y: solvers.least_squares(fit, jnp.ones(2), y))(y)`` is then the
+      ``(2, 8)`` sensitivity of the fitted parameters to the data.
+    """
+    opts = _runner.options(
+        residual, "residual", rtol=rtol, atol=atol, max_steps=max_steps,
+        on_failure=on_failure, full_output=full_output, rule=rule,
+        linear_solver=linear_solver,
+    )
+    _checks.check_choice(method, "method", METHODS)
+    _checks.check_args(args)
+    # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
+    # when x64 is switched in a scoped context between calls).
+    args = _checks.canonicalize(args)
+    x0 = _checks.as_floating(x0, "x0")
+    if linear_solver == "auto":
+        opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure))
+    dtype = jnp.result_type(*jax.tree.leaves(x0))
+    return _runner.dispatch(
+        _solve,
+        x0,
+        args,
+        *_checks.tolerances(rtol, atol, dtype),
+        options=opts,
+        residual=residual,
+        fn=residual,
+        method=method,
+        solver=f"solvers.least_squares(method={method!r})",
+    )
+
+
+def _check_residual_output(out):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise ValueError(
+                f"`residual` must return an array or a pytree of real floating arrays, got "
+                f"{getattr(leaf, 'dtype', type(leaf).__name__)} at "
+                f"residual(x0, *args){jax.tree_util.keystr(path)}"
+            )
+    if not jax.tree.leaves(out):
+        raise ValueError("`residual` must return at least one array, got an empty pytree")
+
+
+@_runner.jit_solver
+def _solve(x0, args, rtol, atol, *, residual, method, options, solver, check):
+    _check_residual_output(_checks.call_shape(residual, "residual", x0, *args))
+
+    def body(x0, args):
+        x0_flat, unravel = ravel_pytree(x0)
+        dtype = x0_flat.dtype
+
+        def fn(v):
+            return ravel_pytree(residual(unravel(v), *args))[0].astype(dtype)
+
+        m = jax.eval_shape(fn, x0_flat).size
+        jac = jax.jacfwd if x0_flat.size <= m else jax.jacrev
+
+        def evaluate(v):
+            """``(0.5 ||r||², (r, J))`` at ``v``."""
+            j, r = jac(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(v)
+            return 0.5 * jnp.sum(r * r), (r, j)
+
+        make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
+        state, info = _runner.iterate(
+            make(evaluate, rtol), x0_flat, rtol=rtol, atol=atol,
+            max_steps=options.max_steps, record_history=options.full_output,
+        )
+        info = info._replace(residual=_runner.max_norm(state.j.T @ state.r))
+        return unravel(state.x), info
+
+    def optimality(x, *args):  # ∇ 0.5 ||r||² = Jᵀ r
+        r, vjp = jax.vjp(lambda x: residual(x, *args), x)
+        return vjp(r)[0]
+
+    return _runner.solve(optimality, body, x0, args, rtol=rtol, options=options,
+                         check=check, solver=solver)
+
+
+class _State(NamedTuple):
+    x: Any  # the iterate (flat)
+    f: Any  # 0.5 ||r||²
+    r: Any  # residuals at x
+    j: Any  # Jacobian at x
+    status: Any
+    error: Any  # max(|h_i| - rtol |x_i|, 0), h the Gauss–Newton step at x
+    mu: Any  # LM damping
+    nu: Any  # LM rejection factor
+    d: Any  # LM scaling: the largest diag(JᵀJ) so far
+
+
+def _gauss_newton_step(r, j):
+    return -jnp.linalg.lstsq(j, r)[0]
+
+
+def _error(x, f, r, j, rtol):
+    """The test's error (see the module docstring) and the Gauss–Newton step."""
+    h = _gauss_newton_step(r, j)
+    error = jnp.max(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
+    return jnp.where(jnp.isfinite(f), error, jnp.nan), h
+
+
+def _start(evaluate, rtol):
+    def init(x0):
+        f, (r, j) = evaluate(x0)
+        d = jnp.sum(j * j, axis=0)
+        one = jnp.ones((), x0.dtype)
+        return _State(x0, f, r, j, jnp.int32(_status.RUNNING), _error(x0, f, r, j, rtol)[0],
+                      _TAU * one, 2.0 * one, d)
+
+    def terminate(state):
+        return _runner.Progress(state.error, jnp.zeros_like(state.error), state.status)
+
+    return init, terminate
+
+
+def _levenberg_marquardt(evaluate, rtol):
+    init, terminate = _start(evaluate, rtol)
+
+    def step(state):
+        x, f, r, j, mu, nu = state.x, state.f, state.r, state.j, state.mu, state.nu
+        g = j.T @ r
+        d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
+        # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
+        d = jnp.where(d > 0, d, 1.0)
+        h = jnp.linalg.solve(j.T @ j + mu * jnp.diag(d), -g)
+        x_new = x + h
+        f_new, (r_new, j_new) = evaluate(x_new)
+        predicted = 0.5 * jnp.dot(h, mu * d * h - g)  # the model's decrease, > 0
+        rho = (f - f_new) / jnp.where(predicted > 0, predicted, 1.0)
+        ok = jnp.isfinite(f_new) & jnp.all(jnp.isfinite(h)) & (predicted > 0) & (rho > 0)
+        factor = jnp.maximum(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3)
+        mu = jnp.where(ok, mu * factor, mu * nu)
+        nu = jnp.where(ok, 2.0, 2.0 * nu)
+        x, f, r, j = (jnp.where(ok, new, old)
+                      for new, old in ((x_new, x), (f_new, f), (r_new, r), (j_new, j)))
+        error = jnp.where(ok, _error(x, f, r, j, rtol)[0], state.error)
+        status = jnp.where(jnp.isfinite(f) & (nu > _NU_MAX), _status.NO_DECREASE,
+                           _status.RUNNING).astype(jnp.int32)
+        return state._replace(x=x, f=f, r=r, j=j, status=status, error=error,
+                              mu=mu.astype(x.dtype), nu=nu.astype(x.dtype), d=d)
+
+    return _runner.Method(init, step, terminate)
+
+
+def _gauss_newton(evaluate, rtol):
+    init, terminate = _start(evaluate, rtol)
+
+    def step(state):
+        x, f, r, j = state.x, state.f, state.r, state.j
+        g = j.T @ r
+        h = _gauss_newton_step(r, j)
+        slope = jnp.dot(g, h)
+        descent = jnp.isfinite(slope) & (slope < 0)
+        x_new, f_new, (r_new, j_new), _, ok = line_search(
+            evaluate, x, f, slope, h, 1.0, lambda extra: jnp.dot(extra[1].T @ extra[0], h),
+            skip=~descent,
+        )
+        ok = ok & descent
+        x, f, r, j = (jnp.where(ok, new, old)
+                      for new, old in ((x_new, x), (f_new, f), (r_new, r), (j_new, j)))
+        error = jnp.where(ok, _error(x, f, r, j, rtol)[0], state.error)
+        status = jnp.where(jnp.isfinite(f) & ~ok, _status.NO_DECREASE, _status.RUNNING)
+        return state._replace(x=x, f=f, r=r, j=j, status=status.astype(jnp.int32),
+                              error=error)
+
+    return _runner.Method(init, step, terminate)

@@ -1,0 +1,167 @@
+"""Tests of solvers.least_squares: fits, implicit derivatives, transformations, failures.
+
+Expected values never come from the code under test: exact-data fits recover the
+parameters that generated the data, NIST's certified values for Misra1a, and derivatives
+with respect to the data from central finite differences of SciPy's fits (float64).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.optimize
+
+import solvers
+
+METHODS = ("levenberg-marquardt", "gauss-newton")
+SLOW = pytest.mark.slow
+# The fast run covers Gauss-Newton on the exact-data fit; its other cases are `slow`.
+LM_FAST = ["levenberg-marquardt", pytest.param("gauss-newton", marks=SLOW)]
+
+T = np.linspace(0.0, 3.0, 12)
+P_TRUE = np.array([2.5, 1.3])
+
+
+def exp_fit(p, t, y):
+    return p[0] * jnp.exp(-p[1] * t) - y
+
+
+# NIST StRD Misra1a (lower difficulty): y = b1 (1 - exp(-b2 x)).
+MISRA_X = np.array([77.6, 114.9, 141.1, 190.8, 239.9, 289.0, 332.8, 378.4, 434.8, 477.3,
+                    536.8, 593.1, 689.1, 760.0])
+MISRA_Y = np.array([10.07, 14.73, 17.94, 23.93, 29.61, 35.18, 40.02, 44.82, 50.76, 55.05,
+                    61.01, 66.40, 75.47, 81.78])
+MISRA_CERTIFIED = np.array([2.3894212918e02, 5.5015643181e-04])
+MISRA_START1 = np.array([500.0, 1e-4])
+
+
+def misra(b, x, y):
+    return b[0] * (1.0 - jnp.exp(-b[1] * x)) - y
+
+
+def misra_data_jacobian(b):
+    """d b*/d y = H⁻¹ Jᵀ (the implicit function theorem on Jᵀr = 0, as ∂r/∂y = -I), with
+    the Hessian H = JᵀJ + Σ rᵢ ∇²rᵢ of 0.5 ||r||² written out by hand."""
+    x = MISRA_X
+    e = np.exp(-b[1] * x)
+    r = b[0] * (1.0 - e) - MISRA_Y
+    jac = np.stack([1.0 - e, b[0] * x * e], axis=1)
+    second = np.array([[0.0, np.sum(r * x * e)], [np.sum(r * x * e), -np.sum(r * b[0] * x**2 * e)]])
+    return np.linalg.solve(jac.T @ jac + second, jac.T)
+
+
+def scipy_exp_fit(y):
+    fun = lambda p: p[0] * np.exp(-p[1] * T) - y  # noqa: E731
+    return scipy.optimize.least_squares(fun, P_TRUE, method="lm", xtol=1e-15, ftol=1e-15,
+                                        gtol=1e-15).x
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_exponential_fit_with_exact_data(method):
+    y = P_TRUE[0] * np.exp(-P_TRUE[1] * T)
+    p, info = solvers.least_squares(exp_fit, jnp.ones(2), T, y, method=method,
+                                    full_output=True)
+    np.testing.assert_allclose(p, P_TRUE, rtol=1e-4)
+    assert bool(info.converged) and int(info.num_steps) > 0
+
+
+@pytest.mark.parametrize("method", LM_FAST)
+def test_nist_misra1a_from_start_1(method, x64):
+    b, info = solvers.least_squares(misra, jnp.asarray(MISRA_START1), MISRA_X, MISRA_Y,
+                                    method=method, full_output=True)
+    np.testing.assert_allclose(b, MISRA_CERTIFIED, rtol=1e-8)
+    rss = float(np.sum(np.asarray(misra(b, MISRA_X, MISRA_Y)) ** 2))
+    np.testing.assert_allclose(rss, 1.2455138894e-01, rtol=1e-9)
+
+
+def test_misra1a_gradient_wrt_data(x64):
+    jac = jax.jacrev(lambda y: solvers.least_squares(
+        misra, jnp.asarray(MISRA_START1), MISRA_X, y))(jnp.asarray(MISRA_Y))
+    # (The Hessian's condition number is about 6e13: central differences of fits lose
+    # too many digits here, so the oracle is the closed-form formula.)
+    np.testing.assert_allclose(jac, misra_data_jacobian(MISRA_CERTIFIED), rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", LM_FAST)
+def test_gradient_wrt_noisy_data_vs_finite_differences(method, x64):
+    y = P_TRUE[0] * np.exp(-P_TRUE[1] * T) + 0.05 * np.sin(7 * T)
+    jac = jax.jacrev(lambda y: solvers.least_squares(exp_fit, jnp.ones(2), T, y,
+                                                     method=method))(jnp.asarray(y))
+    eps = 1e-4
+    fd = np.stack([(scipy_exp_fit(y + eps * e) - scipy_exp_fit(y - eps * e)) / (2 * eps)
+                   for e in np.eye(len(y))], axis=1)
+    # (SciPy's fits limit the differences to about 1e-5.)
+    np.testing.assert_allclose(jac, fd, rtol=1e-4, atol=2e-5)
+
+
+@SLOW
+@pytest.mark.parametrize("method", METHODS)
+def test_linear_least_squares_gradient_closed_form(method, x64):
+    # Residual X w - y: w* = X⁺ y, dw*/dy = X⁺ (and a pytree residual works).
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(10, 3))
+    y = rng.normal(size=10)
+
+    def residual(w, y):
+        r = x @ w - y
+        return {"head": r[:4], "tail": r[4:]}
+
+    solve = lambda y: solvers.least_squares(residual, jnp.zeros(3), y, method=method)  # noqa: E731
+    np.testing.assert_allclose(solve(y), np.linalg.lstsq(x, y, rcond=None)[0], rtol=1e-8)
+    np.testing.assert_allclose(jax.jacrev(solve)(y), np.linalg.pinv(x), rtol=1e-7, atol=1e-10)
+
+
+def test_jit_vmap(x64):
+    ys = jnp.stack([P_TRUE[0] * jnp.exp(-P_TRUE[1] * T), 2.0 * jnp.exp(-0.5 * T)])
+    solve = jax.jit(lambda y: solvers.least_squares(exp_fit, jnp.ones(2), T, y))
+    np.testing.assert_allclose(jax.vmap(solve)(ys), [P_TRUE, [2.0, 0.5]], rtol=1e-7)
+
+
+@SLOW
+def test_pytree_guess_and_grad_of_grad(x64):
+    ys = jnp.stack([P_TRUE[0] * jnp.exp(-P_TRUE[1] * T), 2.0 * jnp.exp(-0.5 * T)])
+
+    def residual(p, t, y):
+        return p["a"] * jnp.exp(-p["b"] * t) - y
+
+    p = solvers.least_squares(residual, {"a": 1.0, "b": 1.0}, T, ys[0])
+    np.testing.assert_allclose([p["a"], p["b"]], P_TRUE, rtol=1e-7)
+    # Scaling the data by s scales a* by s: d²(a*²)/ds² = 2 a*².
+    f = lambda s: solvers.least_squares(exp_fit, jnp.ones(2), T, s * ys[0])[0] ** 2  # noqa: E731
+    np.testing.assert_allclose(jax.grad(jax.grad(f))(1.0), 2 * P_TRUE[0] ** 2, rtol=1e-6)
+
+
+@SLOW
+def test_closed_over_data(x64):
+    def loss(y):
+        fit = lambda p: exp_fit(p, T, y)  # noqa: E731
+        return solvers.least_squares(fit, jnp.ones(2))[0]
+
+    y = P_TRUE[0] * np.exp(-P_TRUE[1] * T)
+    # a* is linear in the data's scale at exact data: grad · y = a*.
+    np.testing.assert_allclose(jnp.dot(jax.grad(loss)(jnp.asarray(y)), y), P_TRUE[0],
+                               rtol=1e-7)
+
+
+def test_failures():
+    y = jnp.asarray(P_TRUE[0] * np.exp(-P_TRUE[1] * T))
+    with pytest.raises(solvers.ConvergenceError,
+                       match=r"solvers.least_squares\(method='levenberg-marquardt'\).*max_steps"):
+        solvers.least_squares(exp_fit, jnp.array([10.0, -2.0]), T, y, max_steps=2)
+    t = jnp.asarray(T)
+    nan_fit = lambda p, c: exp_fit(p, t, y) * jnp.sqrt(c)  # noqa: E731
+    ps, info = jax.vmap(lambda c: solvers.least_squares(nan_fit, jnp.ones(2), c,
+                                                       on_failure="nan", full_output=True))(
+        jnp.array([1.0, -1.0]))
+    assert list(info.status_name) == ["converged", "nonfinite"]
+    np.testing.assert_allclose(ps[0], P_TRUE, rtol=1e-4)
+    assert np.all(np.isnan(ps[1]))
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="`residual` must be callable"):
+        solvers.least_squares("r", jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"unknown `method`='lm'.*'levenberg-marquardt'"):
+        solvers.least_squares(lambda x: x, jnp.zeros(2), method="lm")
+    with pytest.raises(ValueError, match="real floating"):
+        solvers.least_squares(lambda x: x > 0, jnp.zeros(2))
