@@ -273,3 +273,23 @@ def check_times(ts, name: str = "ts", dtype=None):
                 f"followed by {name}[{i + 1}]={float(values[i + 1])!r}"
             )
     return jnp.asarray(arr, dtype=dtype or jnp.zeros(()).dtype)
+
+
+def box_bounds(lower, upper, x0):
+    """``(lower, upper)`` as pytrees like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
+    return tuple(_bound(b, x0, name, default) for b, name, default in
+                 ((lower, "lower", -jnp.inf), (upper, "upper", jnp.inf)))
+
+
+def _bound(bound, x0, name, default):
+    """A box bound as a pytree like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
+    if bound is None:
+        bound = default
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(bound)) and jnp.ndim(bound) == 0:
+        return jax.tree.map(lambda leaf: jnp.full(jnp.shape(leaf), bound, leaf.dtype), x0)
+    try:
+        return jax.tree.map(lambda b, leaf: jnp.broadcast_to(jnp.asarray(b, leaf.dtype),
+                                                             jnp.shape(leaf)), bound, x0)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"`{name}` must be a scalar or a pytree shaped like x0: {err}") \
+            from None

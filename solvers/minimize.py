@@ -54,6 +54,8 @@ def minimize(
     method="lbfgs",
     has_aux=False,
     history_size=10,
+    lower=None,
+    upper=None,
     rtol=None,
     atol=None,
     max_steps=1000,
@@ -86,6 +88,12 @@ def minimize(
       has_aux: ``fun`` returns ``(value, aux)``; ``aux`` at the solution is returned too
         (differentiable: it is recomputed at ``x*``).
       history_size: L-BFGS memory (number of ``(s, y)`` pairs).
+      lower, upper: optional box bounds (scalars, or pytrees like ``x0``): the guess and
+        every trial point are projected into the box, directions keep the coordinates
+        at an active bound fixed, and the stopping test is on the projected gradient
+        ``x - clip(x - ∇fun(x), lower, upper)``. The derivative of ``x*`` comes from that
+        projected condition: zero for coordinates at an active bound (one for the bound
+        itself), the reduced Hessian's for the free ones.
       rtol, atol: tolerances of the gradient test above (defaults follow the dtype:
         1e-5/1e-6 in float32, 1e-8/1e-10 in float64).
       max_steps: iteration cap.
@@ -129,13 +137,16 @@ def minimize(
     # when x64 is switched in a scoped context between calls).
     args = _checks.canonicalize(args)
     x0 = _checks.as_floating(x0, "x0")
+    bounded = lower is not None or upper is not None
+    bounds = _checks.box_bounds(lower, upper, x0) if bounded else None
     if linear_solver == "auto":
-        opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure))
+        opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure, bounded))
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     out, info = _runner.dispatch(
         _solve,
         x0,
         args,
+        bounds,
         *_checks.tolerances(rtol, atol, dtype),
         options=opts._replace(full_output=True),
         fun=fun,
@@ -171,12 +182,13 @@ def _check_method(method):
     return "optax"
 
 
-def auto_linear_solver(x0, on_failure):
-    """``linear_solver="auto"`` for an adjoint solve with a Hessian (see :func:`minimize`)."""
+def auto_linear_solver(x0, on_failure, bounded=False):
+    """``linear_solver="auto"`` for an adjoint solve with a Hessian (see :func:`minimize`;
+    with bounds the projected condition's Jacobian is not symmetric: no CG)."""
     size = sum(jnp.size(leaf) for leaf in jax.tree.leaves(x0))
     if size <= DENSE_MAX_SIZE:
         return "dense"
-    return "gmres" if on_failure == "ignore" else "cg"
+    return "gmres" if on_failure == "ignore" or bounded else "cg"
 
 
 def check_scalar_output(out, fn_name, has_aux):
@@ -208,6 +220,7 @@ def check_scalar_output(out, fn_name, has_aux):
 def _solve(
     x0,
     args,
+    bounds,
     rtol,
     atol,
     *,
@@ -229,6 +242,10 @@ def _solve(
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
         dtype = x0_flat.dtype
+        box = None
+        if bounds is not None:
+            box = tuple(jax.lax.stop_gradient(ravel_pytree(b)[0]) for b in bounds)
+            x0_flat = jnp.clip(x0_flat, *box)
 
         def value_and_grad(v):
             f, g = jax.value_and_grad(lambda v: value(unravel(v), *args))(v)
@@ -236,10 +253,10 @@ def _solve(
 
         if isinstance(method, str):
             make = _METHODS[method]
-            run = _method(value_and_grad, *make(value_and_grad, history_size))
+            run = _method(value_and_grad, *make(value_and_grad, history_size), box=box)
         else:
             run = _optax_method(method, value_and_grad, unravel,
-                                lambda params: value(params, *args))
+                                lambda params: value(params, *args), box=box)
         state, info = _runner.iterate(
             run,
             x0_flat,
@@ -252,7 +269,16 @@ def _solve(
         )
         return unravel(state.x), info
 
-    x, info = _runner.solve(jax.grad(value), body, x0, args, rtol=rtol, options=options,
+    residual = jax.grad(value)
+    if bounds is not None:
+        lower, upper = bounds
+
+        def residual(x, *args):  # the projected gradient: zero at a box-constrained minimum
+            g = jax.grad(value)(x, *args)
+            return jax.tree.map(lambda x, g, lo, hi: x - jnp.clip(x - g, lo, hi),
+                                x, g, lower, upper)
+
+    x, info = _runner.solve(residual, body, x0, args, rtol=rtol, options=options,
                             check=check, solver=solver)
     aux = fun(x, *args)[1] if has_aux else None
     return (x, aux), info
@@ -261,7 +287,7 @@ def _solve(
 # --- the line search, shared with least_squares -----------------------------------------
 
 
-def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False):
+def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False, box=None, g=None):
     """Backtrack from ``t0`` until ``f(x + t d) <= f(x) + 1e-4 t slope`` (Armijo).
 
     ``evaluate(x) -> (f, extra)`` (``extra``: what the caller needs at the accepted point,
@@ -273,19 +299,24 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False):
     from the quadratic model of ``f(x + t d)``, kept within ``[0.1, 0.5]`` of the previous
     one; a non-finite value shrinks ``t`` tenfold. Returns ``(x + t d, f(x + t d), extra,
     t, ok)``; with ``skip`` the first trial is returned as is. ``evaluate`` appears once in
-    the program (the loop's first pass tries ``t0``).
+    the program (the loop's first pass tries ``t0``). With ``box = (lower, upper)`` the
+    trials are projected, ``P(x + t d)``, and the Armijo test uses the step taken:
+    ``f(P(x + t d)) <= f(x) + 1e-4 ∇f(x)ᵀ(P(x + t d) - x)`` (``g``: ``∇f(x)``).
     """
     skip = jnp.asarray(skip, bool)
     floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(f)
 
-    def accepted(t, f_t, extra):
-        armijo = f_t <= f + _ARMIJO * t * slope  # False for NaN
+    def accepted(t, x_t, f_t, extra):
+        decrease = t * slope if box is None else jnp.dot(g, x_t - x)
+        armijo = f_t <= f + _ARMIJO * decrease  # False for NaN
         dphi = derivative(extra)
         approximate = (f_t <= f + floor) & (dphi <= -0.8 * slope) & (dphi >= 0.9 * slope)
         return armijo | approximate
 
     def trial(t):
         x_t = x + t * d
+        if box is not None:
+            x_t = jnp.clip(x_t, *box)
         f_t, extra = evaluate(x_t)
         return x_t, f_t, extra
 
@@ -293,8 +324,8 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False):
     placeholder = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def cond(carry):
-        t, (_, f_t, extra), i = carry
-        return (i == 0) | (~skip & ~accepted(t, f_t, extra) & (i <= _MAX_BACKTRACKS))
+        t, (x_t, f_t, extra), i = carry
+        return (i == 0) | (~skip & ~accepted(t, x_t, f_t, extra) & (i <= _MAX_BACKTRACKS))
 
     def body(carry):
         t, (_, f_t, _), i = carry
@@ -306,7 +337,7 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False):
 
     t0 = jnp.asarray(t0, f.dtype)
     t, (x_t, f_t, extra), _ = _sharding.while_loop(cond, body, (t0, placeholder, 0))
-    return x_t, f_t, extra, t, skip | accepted(t, f_t, extra)
+    return x_t, f_t, extra, t, skip | accepted(t, x_t, f_t, extra)
 
 
 # --- the methods ------------------------------------------------------------------------
@@ -326,8 +357,14 @@ class _State(NamedTuple):
     memory: Any  # the method's own state
 
 
-def _error(f, g):
-    return jnp.where(jnp.isfinite(f), _runner.max_norm(g), jnp.nan)
+def _stationarity(x, g, box):
+    """What the test judges: the gradient, or with a box the projected gradient
+    ``x - clip(x - g, lower, upper)`` (zero at a box-constrained minimum)."""
+    return g if box is None else x - jnp.clip(x - g, *box)
+
+
+def _error(f, x, g, box):
+    return jnp.where(jnp.isfinite(f), _runner.max_norm(_stationarity(x, g, box)), jnp.nan)
 
 
 def _first_step(g):
@@ -336,59 +373,67 @@ def _first_step(g):
     return jnp.minimum(1.0, 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(g * g)), jnp.finfo(g.dtype).tiny))
 
 
-def _method(value_and_grad, init_memory, direction, update):
+def _method(value_and_grad, init_memory, direction, update, box=None):
     """The runner's :class:`~solvers._runner.Method` for a direction and its update.
 
     ``direction(state) -> (d, t0, steepest)``; ``update(memory, s, y, ok) -> memory``
     (``ok``: the line search succeeded; the memory is reset by the caller otherwise).
+    With ``box``, the coordinates at an active bound (the gradient pushing outwards) are
+    kept fixed, the fallback direction is the projected gradient, and the line search
+    projects its trials.
     """
-
-    def init(x0):
-        f, g = value_and_grad(x0)
-        dtype = x0.dtype
-        error = _error(f, g)
-        return _State(x0, f, g, jnp.int32(_status.RUNNING), error, _runner.max_norm(g),
-                      jnp.ones((), dtype), f, jnp.int32(0), init_memory(x0))
 
     def step(state):
         x, f, g = state.x, state.f, state.g
-        d, t0, steepest = direction(state)
+        fallback = -g
+        if box is None:
+            d, t0, steepest = direction(state)
+        else:
+            # The method works on the free coordinates: the gradient's active part is left
+            # out of its direction (then the direction descends: -g_Fᵀ H_FF g_F < 0) and
+            # of its memory (see below).
+            active = ((x <= box[0]) & (g > 0)) | ((x >= box[1]) & (g < 0))
+            d, t0, steepest = direction(state._replace(g=jnp.where(active, 0.0, g)))
+            d = jnp.where(active, 0.0, d)
+            fallback = -_stationarity(x, g, box)
         slope = jnp.dot(g, d)
         descent = jnp.isfinite(slope) & (slope < 0)
-        d = jnp.where(descent, d, -g)
+        d = jnp.where(descent, d, fallback)
         t0 = jnp.where(descent, t0, _first_step(g)).astype(x.dtype)
         steepest = steepest | ~descent
         slope = jnp.dot(g, d)
         x_t, f_t, g_t, t, ok = line_search(value_and_grad, x, f, slope, d, t0,
-                                               lambda g_t: jnp.dot(g_t, d))
-        memory = update(state.memory, x_t - x, g_t - g, ok)
+                                           lambda g_t: jnp.dot(g_t, d), box=box, g=g)
+        y = g_t - g if box is None else jnp.where(active, 0.0, g_t - g)
+        memory = update(state.memory, x_t - x, y, ok)
         memory = jax.tree.map(lambda new, old: jnp.where(ok, new, old), memory,
                               init_memory(x))
         x, f, g = (jnp.where(ok, new, old) for new, old in ((x_t, x), (f_t, f), (g_t, g)))
-        state = _advance(state, x, f, g, failed=~ok & steepest)
+        state = _advance(state, x, f, g, failed=~ok & steepest, box=box)
         return state._replace(t=jnp.where(ok, t, state.t).astype(x.dtype), memory=memory)
 
-    return _runner.Method(_initializer(value_and_grad, init_memory), step, _terminate)
+    return _runner.Method(_initializer(value_and_grad, init_memory, box), step, _terminate)
 
 
-def _initializer(value_and_grad, init_memory):
+def _initializer(value_and_grad, init_memory, box):
     def init(x0):
         f, g = value_and_grad(x0)
-        return _State(x0, f, g, jnp.int32(_status.RUNNING), _error(f, g),
-                      _runner.max_norm(g), jnp.ones((), x0.dtype), f, _error(f, g),
-                      jnp.int32(0), init_memory(x0))
+        error = _error(f, x0, g, box)
+        return _State(x0, f, g, jnp.int32(_status.RUNNING), error,
+                      _runner.max_norm(_stationarity(x0, g, box)), jnp.ones((), x0.dtype), f,
+                      error, jnp.int32(0), init_memory(x0))
 
     return init
 
 
-def _advance(state, x, f, g, failed):
+def _advance(state, x, f, g, failed, box=None):
     """The state at the new iterate, with its status: ``no_decrease`` if ``failed``,
     ``stagnated`` when for ``STAGNATION_WINDOW`` steps neither has fun fallen measurably
     (beyond its rounding floor) nor has the gradient reached a new smallest max-norm.
     Both count as progress: the gradient need not decrease monotonically along a curved
     valley, and fun stops changing measurably near a minimum while the gradient (what
     the test judges) still shrinks."""
-    error = _error(f, g)
+    error = _error(f, x, g, box)
     floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(state.best)
     improved = f < state.best - floor
     progress = improved | (error < state.best_error)
@@ -406,11 +451,11 @@ def _terminate(state):
     return _runner.Progress(state.error, state.scale, state.status)
 
 
-def _optax_method(tx, value_and_grad, unravel, value_tree):
+def _optax_method(tx, value_and_grad, unravel, value_tree, box=None):
     """An optax ``GradientTransformation`` run to convergence: ``x <- x + updates`` with
     ``updates, opt_state = tx.update(grads, opt_state, params)`` on the user's pytrees
     (a ``GradientTransformationExtraArgs`` also gets ``value``, ``grad`` and ``value_fn``,
-    which optax's own line searches need)."""
+    which optax's own line searches need); with ``box``, projected into it."""
     import optax
 
     extra = isinstance(tx, optax.GradientTransformationExtraArgs)
@@ -423,10 +468,13 @@ def _optax_method(tx, value_and_grad, unravel, value_tree):
         else:
             updates, opt_state = tx.update(grads, state.memory, params)
         x = state.x + ravel_pytree(updates)[0].astype(state.x.dtype)
+        if box is not None:
+            x = jnp.clip(x, *box)
         f, g = value_and_grad(x)
-        return _advance(state, x, f, g, failed=jnp.bool_(False))._replace(memory=opt_state)
+        return _advance(state, x, f, g, failed=jnp.bool_(False), box=box)._replace(
+            memory=opt_state)
 
-    init = _initializer(value_and_grad, lambda x0: tx.init(unravel(x0)))
+    init = _initializer(value_and_grad, lambda x0: tx.init(unravel(x0)), box)
     return _runner.Method(init, step, _terminate)
 
 

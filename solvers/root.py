@@ -144,8 +144,7 @@ def root(
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    bounds = tuple(_bound(b, x0, name, default) for b, name, default in
-                   ((lower, "lower", -jnp.inf), (upper, "upper", jnp.inf)))
+    bounds = _checks.box_bounds(lower, upper, x0)
     return _runner.dispatch(
         _solve,
         x0,
@@ -161,20 +160,6 @@ def root(
         history_size=int(history_size),
         solver=f"solvers.root(method={method!r})",
     )
-
-
-def _bound(bound, x0, name, default):
-    """A box bound as a pytree like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
-    if bound is None:
-        bound = default
-    if jax.tree_util.treedef_is_leaf(jax.tree.structure(bound)) and jnp.ndim(bound) == 0:
-        return jax.tree.map(lambda leaf: jnp.full(jnp.shape(leaf), bound, leaf.dtype), x0)
-    try:
-        return jax.tree.map(lambda b, leaf: jnp.broadcast_to(jnp.asarray(b, leaf.dtype),
-                                                             jnp.shape(leaf)), bound, x0)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"`{name}` must be a scalar or a pytree shaped like x0: {err}") \
-            from None
 
 
 def newton(F, x0, *args, **options):

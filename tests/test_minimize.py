@@ -226,3 +226,59 @@ def test_auto_linear_solver():
     assert auto_linear_solver(jnp.zeros(10), "raise") == "dense"
     assert auto_linear_solver(jnp.zeros(100), "raise") == "cg"
     assert auto_linear_solver(jnp.zeros(100), "ignore") == "gmres"
+
+
+# --- box bounds ------------------------------------------------------------------------------
+
+
+def _boxed(x, c):
+    return 0.5 * jnp.sum((x - c) ** 2) + 0.1 * jnp.sum(x**4)
+
+
+@pytest.mark.parametrize("method", [*METHODS, ADAM])
+def test_bounds_solution_and_implicit_derivative(method, x64):
+    # Separable: each x_i minimises 0.5 (x - c_i)^2 + 0.1 x^4 on [0, 1]. Free coordinates
+    # solve x + 0.4 x^3 = c (dx/dc = 1 / (1 + 1.2 x^2)); c_0 < 0 and c_2 > 1.4 put x_0 and
+    # x_2 on a bound (dx/dc = 0 there, dx/d(bound) = 1).
+    c = jnp.array([-1.0, 0.5, 2.0, 0.3])
+    solve = jax.jit(lambda c, hi: solvers.minimize(_boxed, jnp.full(4, 0.5), c, method=method,
+                                                   lower=0.0, upper=hi, max_steps=5000))
+    x = np.asarray(solve(c, 1.0))
+    free = np.array([np.roots([0.4, 0, 1, -ci]).real[np.abs(np.roots([0.4, 0, 1, -ci]).imag)
+                                                        < 1e-12][0] for ci in (0.5, 0.3)])
+    np.testing.assert_allclose(x, [0.0, free[0], 1.0, free[1]], atol=1e-6)
+    if method != ADAM:  # (derivatives: once is enough)
+        return
+    jac = np.asarray(jax.jacobian(solve)(c, 1.0))
+    np.testing.assert_allclose(np.diag(jac), [0.0, *(1 / (1 + 1.2 * free**2))][:2] +
+                               [0.0, 1 / (1 + 1.2 * free[1] ** 2)], atol=1e-6)
+    np.testing.assert_allclose(jac - np.diag(np.diag(jac)), 0.0, atol=1e-8)
+    np.testing.assert_allclose(jax.grad(lambda hi: solve(c, hi)[2])(1.0), 1.0, rtol=1e-8)
+
+
+def test_bounds_rosenbrock_against_scipy_lbfgsb(x64):
+    import scipy.optimize
+
+    def rosen(x):
+        return 100.0 * (x[1] - x[0] ** 2) ** 2 + (1.0 - x[0]) ** 2
+
+    lower, upper = np.array([-2.0, -2.0]), np.array([0.5, 2.0])
+    ref = scipy.optimize.minimize(lambda x: float(rosen(x)), np.array([-1.2, 1.0]),
+                                  jac=lambda x: np.asarray(jax.grad(rosen)(x)),
+                                  method="L-BFGS-B", bounds=list(zip(lower, upper)),
+                                  options={"ftol": 1e-15, "gtol": 1e-12}).x
+    for method in ("lbfgs", "bfgs"):
+        x = solvers.minimize(rosen, jnp.array([-1.2, 1.0]), method=method,
+                             lower=jnp.asarray(lower), upper=jnp.asarray(upper))
+        np.testing.assert_allclose(x, ref, atol=1e-6)
+        assert float(x[0]) == 0.5  # on the bound
+
+
+def test_inactive_bounds_change_nothing_and_bad_bounds_are_reported(x64):
+    a, b = jnp.asarray(A), jnp.asarray(B)
+    x = solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=-10.0, upper=10.0)
+    np.testing.assert_allclose(x, np.linalg.solve(A, B), rtol=1e-7)
+    g = jax.jacobian(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=-10.0))(b)
+    np.testing.assert_allclose(g, np.linalg.inv(A), rtol=1e-6)
+    with pytest.raises(ValueError, match="`upper` must be a scalar or a pytree shaped like x0"):
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, upper=jnp.zeros(2))
