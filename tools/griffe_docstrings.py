@@ -4,6 +4,7 @@ The docstrings are Google style with two habits that the Google parser does not 
 
 - an ``Example:`` section (singular) holding doctests: read as ``Examples:``, so the
   doctests render as code (instead of text whose ``[...]`` looks like a link);
+- Sphinx roles (``:func:`custom_root```, ``:class:`Info```): read as code spans;
 - one ``Args:`` entry for two parameters (``rtol, atol: tolerances ...``): read as one
   entry per parameter with the same text, so that every entry still has to name a real
   parameter (griffe warns otherwise, and ``mkdocs build --strict`` fails).
@@ -15,11 +16,12 @@ import re
 
 import griffe
 
+_ROLE = re.compile(r":(?:func|meth|class|mod|data|attr|exc|obj):`~?([^`]+)`")
 _PAIR = re.compile(r"^(?P<indent>\s+)(?P<a>\*{0,2}\w+), (?P<b>\*{0,2}\w+): (?P<text>.*)$")
 
 
 def rewrite(docstring: str) -> str:
-    lines = docstring.splitlines()
+    lines = _ROLE.sub(r"`\1`", docstring).splitlines()
     out = []
     i = 0
     section = None
