@@ -2,9 +2,10 @@
 
 Every solver takes the unknown first and the parameters after (``f(x, *args)``), works
 under ``jit``, ``vmap``, ``grad`` and ``grad(grad)``, and takes the common options
-``rtol``, ``atol``, ``max_steps``, ``rule``, ``linear_solver``, ``on_failure`` and
-``full_output``. Why a solve stopped is one vocabulary for every solver
-(:data:`STATUSES`, ``info.status`` and :func:`status_name`); a failed solve raises
+``rtol``, ``atol``, ``max_steps``, ``on_failure`` and ``full_output``; the fixed-point,
+root and bracketed solvers also take ``rule`` and ``linear_solver`` (``odeint``
+differentiates by its own adjoint, ``adjoint=``). Why a solve stopped is one vocabulary
+for every solver (:data:`STATUSES`, ``info.status`` and :func:`status_name`); a failed solve raises
 :class:`ConvergenceError` (a failed adjoint solve :class:`AdjointSolveError`) unless
 ``on_failure`` says otherwise.
 """

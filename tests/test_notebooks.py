@@ -12,6 +12,7 @@ code).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -29,6 +30,11 @@ CELL_TIMEOUT_S = 300
 #: The issue asks for each notebook to run in under 2 minutes on 2 CPU cores; the limit
 #: here leaves room for a loaded machine (the suite runs two notebooks at once).
 NOTEBOOK_LIMIT_S = 240
+#: Where each executed notebook is saved (with its figures) for the documentation site:
+#: ``tools/mkdocs_hooks.py`` renders it in place of the output-free source it was run
+#: from (``SOURCE_HASH_KEY`` in its metadata says which source that was).
+EXECUTED_DIR = NOTEBOOK_DIR.parent / "build" / "notebooks"
+SOURCE_HASH_KEY = "implicit_solvers_source_sha256"
 
 # --------------------------------------------------------------------------------------
 # Expected outputs, copied from the tutorial. Text mode: the printed text must match
@@ -238,6 +244,17 @@ def _execute(path):
     return nb, time.perf_counter() - start
 
 
+def _save_for_docs(path, nb):
+    """Write the executed notebook, less the interpreter cell, to ``EXECUTED_DIR``."""
+    saved = nbformat.from_dict(nb)
+    saved.cells = saved.cells[1:]
+    saved.metadata[SOURCE_HASH_KEY] = hashlib.sha256(path.read_bytes()).hexdigest()
+    EXECUTED_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = EXECUTED_DIR / f".{path.name}.{os.getpid()}.tmp"
+    nbformat.write(saved, tmp)
+    tmp.replace(EXECUTED_DIR / path.name)
+
+
 def test_notebooks_are_found():
     names = {path.name for path in NOTEBOOKS}
     assert {
@@ -284,3 +301,4 @@ def test_notebook_executes(path):
     check = EXTRA_CHECKS.get(path.name)
     if check is not None:
         check(nb)
+    _save_for_docs(path, nb)

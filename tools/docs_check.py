@@ -1,0 +1,266 @@
+"""Build the documentation site, serve it on localhost and check it in headless Chromium.
+
+Run by ``make docs-check`` (not part of CI). Checks, with Playwright driving Debian's
+``/usr/bin/chromium``:
+
+- every page of the nav loads (HTTP 200) with no console error, no uncaught page error,
+  no failed request and no request that leaves localhost (the site works offline);
+- the search box returns results for ``fixed_point``;
+- the API reference shows a heading for every name in ``implicit.__all__`` and
+  ``solvers.__all__``;
+- every notebook page shows its figures (``img`` elements, loaded).
+
+A full-page screenshot of every page (and of the search results) is saved under
+``site_check/``, with ``report.txt``. The notebooks' figures come from the executed copies
+that ``tests/test_notebooks.py`` saves in ``build/notebooks/``; where one is missing or
+older than its source, the notebook tests are run first (``--no-notebooks`` skips that).
+Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from mkdocs_hooks import SOURCE_DIR, notebook_to_render  # noqa: E402
+
+SITE = ROOT / "site"
+OUT = ROOT / "site_check"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SEARCH_TERM = "fixed_point"
+PACKAGES = ("implicit", "solvers")
+
+
+def nav_pages():
+    """``(title, source path, url path)`` for every page in mkdocs.yml's nav."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # mkdocs.yml may hold !!python/name tags (e.g. for extensions): read them as text.
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)
+    pages = []
+
+    def walk(items):
+        for item in items:
+            if isinstance(item, str):
+                title, src = None, item
+            else:
+                ((title, src),) = item.items()
+            if isinstance(src, list):
+                walk(src)
+                continue
+            stem = src.rsplit(".", 1)[0]
+            if stem == "index":
+                url = ""
+            elif stem.endswith("/index"):
+                url = stem[: -len("index")]
+            else:
+                url = stem + "/"
+            pages.append((title or stem, src, url))
+
+    walk(config["nav"])
+    return pages
+
+
+def ensure_executed_notebooks():
+    stale = [p.name for p in sorted(SOURCE_DIR.glob("*.ipynb")) if not notebook_to_render(p)[1]]
+    if not stale:
+        print("notebooks: executed copies in build/notebooks are up to date")
+        return
+    print(f"notebooks: executing {stale} (tests/test_notebooks.py) for their figures")
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
+         "tests/test_notebooks.py", "-k", "executes"],
+        cwd=ROOT,
+        check=True,
+        env=dict(os.environ, MPLBACKEND="Agg"),
+    )
+
+
+def build():
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"],
+        cwd=ROOT,
+        check=True,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
+    print(f"mkdocs build --strict: {time.perf_counter() - start:.1f} s")
+
+
+def serve():
+    handler = functools.partial(QuietHandler, directory=str(SITE))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def public_names():
+    names = []
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        names += [f"{package}.{name}" for name in module.__all__]
+    return names
+
+
+def check(base, pages):
+    from playwright.sync_api import sync_playwright
+
+    OUT.mkdir(exist_ok=True)
+    failures, lines = [], []
+    api_headings = set()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        external = []
+
+        def route(route):
+            if route.request.url.startswith(base):
+                return route.continue_()
+            external.append(route.request.url)
+            return route.abort()
+
+        context.route("**/*", route)
+        page = context.new_page()
+        events = []
+        page.on(
+            "console",
+            lambda msg: events.append(f"console {msg.type}: {msg.text}")
+            if msg.type == "error"
+            else None,
+        )
+        page.on("pageerror", lambda exc: events.append(f"page error: {exc}"))
+        page.on(
+            "requestfailed",
+            lambda req: events.append(f"request failed: {req.url} ({req.failure})"),
+        )
+
+        for title, src, url in pages:
+            events.clear()
+            external.clear()
+            response = page.goto(base + url, wait_until="networkidle")
+            page.wait_for_timeout(200)
+            status = response.status if response else None
+            slug = url.strip("/").replace("/", "_") or "index"
+            shot = OUT / f"{slug}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            problems = [f"HTTP {status}"] if status != 200 else []
+            problems += list(events)
+            problems += [f"external request: {u}" for u in external]
+            notes = []
+            if src.endswith(".ipynb"):
+                images = page.eval_on_selector_all(
+                    "article img",
+                    "els => els.map(e => e.complete && e.naturalWidth > 0)",
+                )
+                notes.append(f"{len(images)} figures, {sum(images)} loaded")
+                if not images or not all(images):
+                    problems.append(f"notebook figures: {len(images)} img, {sum(images)} loaded")
+            if src.startswith("api/"):
+                headings = page.eval_on_selector_all(
+                    "article h1, article .doc-heading",
+                    "els => els.map(e => e.innerText.replace('¶', '').trim())",
+                )
+                api_headings |= {h.split()[0] for h in headings if h}
+            ok = not problems
+            lines.append(
+                f"{'ok  ' if ok else 'FAIL'} /{url:<42} {title}"
+                + (f" ({'; '.join(notes)})" if notes else "")
+                + f" -> {shot.relative_to(ROOT)}"
+            )
+            lines += [f"       {p}" for p in problems]
+            if not ok:
+                failures.append(url)
+
+        # Search: type into Material's search box, wait for the results.
+        events.clear()
+        page.goto(base, wait_until="networkidle")
+        box = page.locator("input.md-search__input")
+        box.click()
+        box.press_sequentially(SEARCH_TERM, delay=20)
+        try:
+            page.wait_for_selector(".md-search-result__item", timeout=10_000)
+        except Exception:
+            pass
+        results = page.locator(".md-search-result__item").count()
+        meta = page.locator(".md-search-result__meta").inner_text()
+        page.screenshot(path=str(OUT / "search.png"))
+        ok = results > 0 and not events
+        lines.append(
+            f"{'ok  ' if ok else 'FAIL'} search {SEARCH_TERM!r}: {results} results "
+            f"({meta.strip()}) -> site_check/search.png"
+        )
+        lines += [f"       {e}" for e in events]
+        if not ok:
+            failures.append("search")
+        browser.close()
+
+    names = public_names()
+    missing = [name for name in names if name not in api_headings]
+    lines.append(
+        f"{'ok  ' if not missing else 'FAIL'} API reference: {len(names) - len(missing)} of "
+        f"{len(names)} public names have a heading"
+        + (f"; missing {missing}" if missing else "")
+    )
+    if missing:
+        failures.append("api")
+    return failures, lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--no-notebooks",
+        action="store_true",
+        help="do not run the notebook tests where executed copies are missing",
+    )
+    args = parser.parse_args()
+    if not args.no_notebooks:
+        ensure_executed_notebooks()
+    build()
+    server, base = serve()
+    try:
+        failures, lines = check(base, nav_pages())
+    finally:
+        server.shutdown()
+    report = "\n".join(lines)
+    (OUT / "report.txt").write_text(report + "\n", encoding="utf-8")
+    print(report)
+    print(f"\n{len(failures)} failed; screenshots and report.txt in {OUT.relative_to(ROOT)}/")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""MkDocs hooks: put the notebooks of ``notebooks/`` on the site.
+
+The notebooks are committed without outputs and are never executed by ``mkdocs build``.
+``tests/test_notebooks.py`` executes each one and saves the executed copy, with its
+figures, under ``build/notebooks/`` (with the SHA-256 of the source it ran). This hook
+adds every ``notebooks/*.ipynb`` to the site as ``notebooks/<name>.ipynb`` (rendered by
+mkdocs-jupyter): the executed copy where it was made from the current source, else the
+source itself (code and text, no outputs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+log = logging.getLogger("mkdocs.hooks.notebooks")
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIR = ROOT / "notebooks"
+EXECUTED_DIR = ROOT / "build" / "notebooks"
+#: Key in an executed notebook's metadata: the SHA-256 of the source it was run from.
+SOURCE_HASH_KEY = "implicit_solvers_source_sha256"
+
+
+def source_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def notebook_to_render(source: Path) -> tuple[Path, bool]:
+    """The file to render for ``source``, and whether it carries outputs."""
+    executed = EXECUTED_DIR / source.name
+    if executed.is_file():
+        try:
+            meta = json.loads(executed.read_text(encoding="utf-8")).get("metadata", {})
+        except ValueError:
+            meta = {}
+        if meta.get(SOURCE_HASH_KEY) == source_sha256(source):
+            return executed, True
+    return source, False
+
+
+@event_priority(100)  # before mkdocs-jupyter's on_files, which wraps the .ipynb files
+def on_files(files, config):
+    for source in sorted(SOURCE_DIR.glob("*.ipynb")):
+        path, executed = notebook_to_render(source)
+        log.info("notebook %s: %s", source.name, "with outputs" if executed else "no outputs")
+        # A File with a real src_dir (not File.generated): mkdocs-jupyter's wrapper reads
+        # abs_src_path from src_dir and src_uri.
+        files.append(
+            File(
+                f"notebooks/{source.name}",
+                src_dir=str(path.parent.parent),
+                dest_dir=config["site_dir"],
+                use_directory_urls=config["use_directory_urls"],
+            )
+        )
+    return files
