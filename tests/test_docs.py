@@ -110,7 +110,10 @@ def test_block_runs(block):
     if devices is not None:
         env = dict(
             os.environ,
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+            # (and XLA's CPU collectives' rendezvous timeout raised from 40 s for a loaded
+            # CI machine: see tests/test_sharding.py's SLOW_HOST_FLAGS)
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=600",
             JAX_PLATFORMS="cpu",
             MPLBACKEND="Agg",
             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
