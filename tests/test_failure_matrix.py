@@ -136,6 +136,38 @@ def _bracket(name, F, lower, upper, **kw):
     return solve
 
 
+def _minimize(fun, x0, method, **kw):
+    def solve(a, on_failure):
+        return solvers.minimize(fun, x0, a, method=method, on_failure=on_failure,
+                                full_output=True, **kw)
+
+    return solve
+
+
+def _least_squares(residual, x0, method, **kw):
+    def solve(a, on_failure):
+        return solvers.least_squares(residual, x0, a, method=method, on_failure=on_failure,
+                                     full_output=True, **kw)
+
+    return solve
+
+
+def mn_nan(x, a):  # (x - a)^2: x* = a; NaN for a > 1.5
+    return (x - a) ** 2 + 0.0 * jnp.sqrt(1.5 - a)
+
+
+def mn_quartic(x, a):  # x* = a; dx/da = 1 at any point (the gradient depends on x - a)
+    return (x - a) ** 4 + (x - a) ** 2
+
+
+def ls_nan(x, a):  # residual x - a: x* = a; NaN for a > 1.5
+    return jnp.stack([x - a + 0.0 * jnp.sqrt(1.5 - a), 0.5 * (x - a)])
+
+
+def ls_exp(x, a):  # e^x = a and 2x = 2 log a: x* = log a; from 0 with few steps
+    return jnp.stack([jnp.exp(x) - a, 2.0 * (x - jnp.log(a))])
+
+
 def _ode(f, y0, method, **kw):
     def solve(k, on_failure):
         return solvers.odeint(f, y0, TS, k, method=method, on_failure=on_failure,
@@ -251,6 +283,27 @@ def _cases():
              _root(rt_square, 1.0, "dogleg", max_steps=1000), -4.0, 1.0, 2.0, -0.25,
              ift=lambda x, a: -1 / (2 * x)),
     ]
+
+    for method in ("lbfgs", "gradient"):
+        label = f"minimize[{method}]"
+        cases += [
+            Case("solvers.minimize", label, "nan", "nonfinite",
+                 _minimize(mn_nan, 0.0, method), 0.5, 2.0, 0.5, 1.0),
+            # x0 = 2 is the minimiser for a = 2 (zero steps); a = 100 is not reached in 2.
+            Case("solvers.minimize", label, "max_steps", "max_steps",
+                 _minimize(mn_quartic, 2.0, method, max_steps=2), 2.0, 100.0, 2.0, 1.0,
+                 ift=lambda x, a: 1.0),
+        ]
+    for method in ("levenberg-marquardt", "gauss-newton"):
+        label = f"least_squares[{method}]"
+        cases += [
+            Case("solvers.least_squares", label, "nan", "nonfinite",
+                 _least_squares(ls_nan, 0.0, method), 0.5, 2.0, 0.5, 1.0),
+            # x0 = 0 solves a = 1 (zero steps); log(1e6) from 0 needs more than 2 steps.
+            Case("solvers.least_squares", label, "max_steps", "max_steps",
+                 _least_squares(ls_exp, 0.0, method, max_steps=2), 1.0, 1e6, 0.0, 1.0,
+                 ift=lambda x, a: (math.exp(x) / a + 4.0 / a) / (math.exp(2 * x) + 4.0)),
+        ]
 
     for name, bisect_steps in (("bisection", 20), ("chandrupatla", 8)):
         label = name
