@@ -18,7 +18,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "cond",
     "context_manual_axes",
+    "fori_loop",
     "like_output",
     "match_varying",
     "mesh_of",
@@ -183,6 +185,32 @@ def scan(f, init, xs):
         return jax.tree.map(lambda o: vary(o, axes), carry), y
 
     return jax.lax.scan(typed, init, xs)
+
+
+def fori_loop(lower, upper, body, init):
+    """``jax.lax.fori_loop`` (static bounds) whose carry varies alike (see :func:`scan`)."""
+    if not context_manual_axes():
+        return jax.lax.fori_loop(lower, upper, body, on_mesh(init))
+    return scan(lambda carry, i: (body(i, carry), None), init, jnp.arange(lower, upper))[0]
+
+
+def cond(pred, true_fun, false_fun, *operands):
+    """``jax.lax.cond`` whose branches' outputs vary alike (one branch may compute from
+    varying values what the other passes through unchanged)."""
+    if not context_manual_axes():
+        return jax.lax.cond(pred, true_fun, false_fun, *operands)
+    outs = (jax.eval_shape(true_fun, *operands), jax.eval_shape(false_fun, *operands))
+    axes = set(_union(pred))
+    for leaf in jax.tree.leaves(outs):
+        kind = getattr(leaf, "manual_axis_type", None)
+        if kind is not None:
+            axes |= set(kind.varying)
+    axes = tuple(sorted(axes))
+
+    def typed(fun):
+        return lambda *ops: jax.tree.map(lambda o: vary(o, axes), fun(*ops))
+
+    return jax.lax.cond(pred, typed(true_fun), typed(false_fun), *operands)
 
 
 def mesh_of(*arrays):

@@ -529,7 +529,7 @@ def _lbfgs(value_and_grad, history_size):
             a = jnp.where(i < count, mem.rho[j] * jnp.dot(mem.s[j], q), 0.0)
             return q - a * mem.y[j], alpha.at[j].set(a)
 
-        q, alpha = jax.lax.fori_loop(0, m, backward, (g, jnp.zeros((m,), g.dtype)))
+        q, alpha = _sharding.fori_loop(0, m, backward, (g, jnp.zeros((m,), g.dtype)))
         newest = (mem.k - 1) % m
         yy = jnp.dot(mem.y[newest], mem.y[newest])
         gamma = jnp.where(mem.k > 0, 1.0 / (mem.rho[newest] * jnp.where(yy > 0, yy, 1.0)),
@@ -541,7 +541,7 @@ def _lbfgs(value_and_grad, history_size):
             b = mem.rho[j] * jnp.dot(mem.y[j], r)
             return jnp.where(i < count, r + (alpha[j] - b) * mem.s[j], r)
 
-        r = jax.lax.fori_loop(0, m, forward, r)
+        r = _sharding.fori_loop(0, m, forward, r)
         empty = mem.k == 0
         t0 = jnp.where(empty, _first_step(g), 1.0)
         return -r, t0, empty

@@ -351,7 +351,7 @@ def _quasi_direction(ops):
         def kept(_):
             return state.fx, q.d, q.factors, q.s, q.u, q.k
 
-        fx, d, factors, s, u, k = jax.lax.cond(q.refresh, refreshed, kept, None)
+        fx, d, factors, s, u, k = _sharding.cond(q.refresh, refreshed, kept, None)
         return fx, d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
 
     return direction
@@ -363,7 +363,7 @@ def _apply_h(ops, q, v):
     if q.s.shape[0] == 0:  # chord
         return w
     body = lambda i, w: jnp.where(i < q.k, w + q.u[i] * jnp.dot(q.s[i], w), w)  # noqa: E731
-    return jax.lax.fori_loop(0, q.s.shape[0], body, w)
+    return _sharding.fori_loop(0, q.s.shape[0], body, w)
 
 
 def _chord(ops, history_size):

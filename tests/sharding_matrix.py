@@ -81,14 +81,60 @@ def _whole(method):
     return fn, 0.5, (float("nan") if method == "anderson" else 2.0), 2.0, 4.0
 
 
-def _newton():
+def _newton(method="newton"):
     def F(x, a):
         return x**2 - a
 
     def fn(a, on_failure):
         def one(a):
-            x = solvers.root(F, jnp.ones(2), a, on_failure=on_failure, max_steps=50)
+            x = solvers.root(F, jnp.ones(2), a, method=method, on_failure=on_failure,
+                             max_steps=50)
             return x[0]  # two unknowns: an LU solve per element
+
+        return jax.vmap(one)(a)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _dogleg():
+    def F(x, a):
+        return x**2 - a
+
+    def fn(a, on_failure):
+        def one(a):
+            x = solvers.root(F, jnp.ones(2), a, method="dogleg", on_failure=on_failure,
+                             max_steps=50)
+            return x[0]
+
+        return jax.vmap(one)(a)
+
+    # x^2 = -4 has no root: the trust region shrinks onto the minimum of |F| at 0.
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _minimize():
+    def fun(x, a):  # x* = sqrt(a) per coordinate (a > 0); NaN objective for a < 0
+        return jnp.sum(0.25 * x**4 - 0.5 * a * x**2) + 0.0 * jnp.sqrt(a)
+
+    def fn(a, on_failure):
+        def one(a):
+            x = solvers.minimize(fun, jnp.ones(2), a, on_failure=on_failure, max_steps=100)
+            return x[0]
+
+        return jax.vmap(one)(a)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _least_squares():
+    def residual(x, a):  # x^2 = a (and 2x^2 = 2a): x* = sqrt(a); NaN for a < 0
+        return jnp.stack([x[0] ** 2 - a, 2.0 * x[0] ** 2 - 2.0 * a]) + 0.0 * jnp.sqrt(a)
+
+    def fn(a, on_failure):
+        def one(a):
+            x = solvers.least_squares(residual, jnp.ones(1), a, on_failure=on_failure,
+                                      max_steps=100)
+            return x[0]
 
         return jax.vmap(one)(a)
 
@@ -118,6 +164,10 @@ PROBLEMS = {
     "whole_iterate": lambda: _whole("iterate"),
     "whole_anderson": lambda: _whole("anderson"),
     "newton": _newton,
+    "broyden": lambda: _newton("broyden"),
+    "dogleg": _dogleg,
+    "minimize": _minimize,
+    "least_squares": _least_squares,
     "odeint": _odeint,
 }
 MODES = ("auto", "explicit", "shard_map", "pmap")

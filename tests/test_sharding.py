@@ -68,9 +68,10 @@ def test_matrix_fast():
 @pytest.mark.slow
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
-    and whole-batch, newton, odeint) x every mode x every check."""
+    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint) x every
+    mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 8 * 4 * 4
+    assert len(cases) == 12 * 4 * 4
     _check(cases)
 
 
