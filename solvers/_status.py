@@ -134,15 +134,17 @@ def explain(code, *, max_steps=None):
     if code == SINGULAR:
         return (
             "the Jacobian is singular (the Newton step is not finite)",
-            "start elsewhere, or use a globalised method",
+            "start elsewhere, or use method='dogleg' (a trust region copes with a singular "
+            "Jacobian away from the root)",
         )
     if code == NO_DECREASE:
         return (
             "the line search found no decrease of |F| (of the objective, for minimize and "
-            "least_squares) along the search direction (a singular or ill-conditioned "
-            "Jacobian, a local minimum of |F|, or rtol/atol below what the "
+            "least_squares) along the search direction, or the trust region shrank to "
+            "rounding without one (a singular or ill-conditioned Jacobian, a local minimum "
+            "of |F|, a root outside the bounds, or rtol/atol below what the "
             "floating-point precision allows)",
-            "start elsewhere, or loosen rtol/atol",
+            "start elsewhere (or widen the bounds), or loosen rtol/atol",
         )
     if code == NO_SIGN_CHANGE:
         return (
