@@ -78,6 +78,10 @@ class Stepper(NamedTuple):
     # ``jax.vjp`` (the discrete adjoint); ``ks`` are the stage derivatives the step took
     # (an implicit method linearises its stage equations there). None: ``step`` itself.
     diff_step: Any = None
+    # Steps end on every output time (the output is the state there, not the continuous
+    # extension's value): for a method whose continuous extension is of lower order than
+    # the step (kvaerno5's cubic Hermite).
+    lands: bool = False
 
 
 class Record(NamedTuple):
@@ -326,7 +330,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl)
 
     def step_loop(target, carry):
-        clip_to = target if jumps else t_end
+        clip_to = target if (jumps or stepper.lands) else t_end
 
         def cond(c):
             ctrl = Controller.unpack(c.ctrl)
