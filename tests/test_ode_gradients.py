@@ -257,9 +257,9 @@ def test_van_der_pol_stiff_gradient_matches_finite_differences(x64):
 @pytest.mark.slow
 @pytest.mark.xfail(reason="open (issue 10): at rtol 1e-6 the gradient is -0.388 (discrete) "
                    "or -3.8 (interpolate) against -0.00353; 5% off at 1e-8, 0.4% at 1e-9. "
-                   "likely (unconfirmed) a small difference of large sensitivities across the "
-                   "jumps, which the steps chosen for y (forward or backward) do not resolve; "
-                   "finite differences of the rtol-1e-6 solves are right.", strict=False)
+                   "Measured cause: the frozen step sizes (the jumps move across a fixed "
+                   "grid); differentiating the step sizes gives 1.4% (docs/ode.md, known "
+                   "gap)", strict=False)
 def test_van_der_pol_stiff_gradient_at_rtol_1e6(x64):
     _vdp_check(1e-6)
 

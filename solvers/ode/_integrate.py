@@ -3,7 +3,9 @@
 The steps never stop at an output time: a ``lax.scan`` over the output times runs, for
 each, a ``lax.while_loop`` of steps until the time is passed, and interpolates the output
 from the last step's continuous extension (several outputs inside one step cost no step).
-Only the final step is shortened, to end on the last output time exactly. The step loop
+Only the final step is shortened, to end on the last output time exactly; a method whose
+continuous extension is of lower order than its steps (``Stepper.lands``: kvaerno5) has
+its steps shortened to end on every output time instead. The step loop
 carries no output logic; its scalars are a :class:`Controller` (carried packed), and it never runs
 more than its step budget. With ``record=B`` the loop also keeps the continuous
 extension of its last ``B`` accepted steps (a ring buffer), for the interpolating
