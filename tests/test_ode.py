@@ -473,6 +473,39 @@ def test_backward_nan_message(x64):
     assert "'nonfinite'" in msg and "increase max_steps" not in msg
 
 
+
+@pytest.mark.parametrize("adjoint", ["discrete", "interpolate"])
+def test_kvaerno5_backward_failure_follows_on_failure(x64, adjoint):
+    # The forward pass (and its Jacobian in y) is finite; the derivative in k is not
+    # (d/dk sqrt(k - k)): the backward pass of kvaerno5 fails by on_failure, status
+    # 'nonfinite', never a number (issue 10).
+    def f(y, t, k):
+        return -k * y + 0.0 * jnp.sqrt(k - k)
+
+    ts = jnp.array([0.0, 1.0])
+
+    def loss(k, on_failure):
+        return odeint(f, 1.0, ts, k, method="kvaerno5", adjoint=adjoint,
+                      on_failure=on_failure)[-1]
+
+    assert np.isnan(jax.grad(loss)(0.5, "nan"))
+    msg = _message(jax.grad(loss), 0.5, "raise", error=Exception)
+    assert "solvers.odeint(method='kvaerno5'): the adjoint (backward) integration" in msg
+    assert "'nonfinite'" in msg
+
+
+def test_kvaerno5_interpolating_backward_out_of_steps(x64):
+    # The forward pass fits in max_steps; the much tighter backward integration does not.
+    def loss(k, on_failure):
+        return odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, method="kvaerno5", rtol=1e-3,
+                      atol=1e-3, max_steps=20, adjoint="interpolate", adjoint_rtol=1e-13,
+                      adjoint_atol=1e-13, on_failure=on_failure)[-1]
+
+    assert np.isnan(jax.grad(loss)(0.5, "nan"))
+    msg = _message(jax.grad(loss), 0.5, "raise", error=Exception)
+    assert "the adjoint (backward) integration failed at t=" in msg and "'max_steps'" in msg
+
+
 # --- traced output times: checked at run time ---------------------------------------------------
 
 BAD_TS = [[0.0, 1.0, 0.5], [1.0, 0.5, 0.0], [0.0, 1.0, 1.0], [0.0, np.nan, 1.0]]

@@ -440,6 +440,14 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     stepper = stepper_of(theta)
     dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
     degree = dense.shape[0]
+
+    def clip_of(s):
+        # Where the forward loop's step from s would be cut: the end, or (a method that
+        # lands on the output times) the next output time.
+        if not stepper.lands:
+            return t_end
+        return ts[jnp.minimum(jnp.searchsorted(ts, s, side="right"), T - 1)]
+
     bufs, spacing = ck
     cache_like = jax.tree.map(lambda b: b[0], bufs[2])
     stages = dense.shape[1]
@@ -471,7 +479,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             ctrl = _integrate.Controller.unpack(packed)
             slot = jnp.clip(ctrl.num_accepted - first, 0, W - 1)
             new, z1, cache1, (accept, s, h, z_old, ks) = _integrate._attempt(
-                stepper, ctrl, z, cache, t_end, t_end, budget, rtol, atol, n
+                stepper, ctrl, z, cache, clip_of(ctrl.s), t_end, budget, rtol, atol, n
             )
             keep = accept & (ctrl.num_accepted >= first)
             row = (s, h, new.s, z_old, cache, ks)

@@ -3,7 +3,9 @@
 The steps never stop at an output time: a ``lax.scan`` over the output times runs, for
 each, a ``lax.while_loop`` of steps until the time is passed, and interpolates the output
 from the last step's continuous extension (several outputs inside one step cost no step).
-Only the final step is shortened, to end on the last output time exactly. The step loop
+Only the final step is shortened, to end on the last output time exactly; a method whose
+continuous extension is of lower order than its steps (``Stepper.lands``: kvaerno5) has
+its steps shortened to end on every output time instead. The step loop
 carries no output logic; its scalars are a :class:`Controller` (carried packed), and it never runs
 more than its step budget. With ``record=B`` the loop also keeps the continuous
 extension of its last ``B`` accepted steps (a ring buffer), for the interpolating
@@ -78,6 +80,10 @@ class Stepper(NamedTuple):
     # ``jax.vjp`` (the discrete adjoint); ``ks`` are the stage derivatives the step took
     # (an implicit method linearises its stage equations there). None: ``step`` itself.
     diff_step: Any = None
+    # Steps end on every output time (the output is the state there, not the continuous
+    # extension's value): for a method whose continuous extension is of lower order than
+    # the step (kvaerno5's cubic Hermite).
+    lands: bool = False
 
 
 class Record(NamedTuple):
@@ -326,7 +332,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl)
 
     def step_loop(target, carry):
-        clip_to = target if jumps else t_end
+        clip_to = target if (jumps or stepper.lands) else t_end
 
         def cond(c):
             ctrl = Controller.unpack(c.ctrl)

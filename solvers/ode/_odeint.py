@@ -81,8 +81,10 @@ def odeint(
     pairs for non-stiff problems; ``"kvaerno5"`` (Kværnø's L-stable ESDIRK 5(4), stage
     equations solved by Newton's method) is for stiff ones. All adapt the step with a PI
     controller on the embedded error estimate (weighted RMS norm, accepted when
-    ``|err_i| ≲ atol + rtol·|y_i|``), pick the first step automatically and hit every output
-    time with the method's continuous extension, without shortening the steps there.
+    ``|err_i| ≲ atol + rtol·|y_i|``) and pick the first step automatically. The explicit
+    pairs hit every output time with their continuous extension, without shortening the
+    steps there; ``"kvaerno5"``, whose continuous extension is a cubic Hermite (third
+    order), ends a step on every output time instead.
 
     Gradients (reverse mode) with respect to ``y0``, ``ts``, every floating array in
     ``args`` and every traced value ``f`` closes over come from an adjoint rule. The
