@@ -594,3 +594,24 @@ def test_bad_input(kwargs, error, match):
     f, y0, ts, args = (call.pop(key) for key in ("f", "y0", "ts", "args"))
     with pytest.raises(error, match=match):
         jax.block_until_ready(odeint(f, y0, ts, *args, **call))
+
+
+def test_rhs_that_ravels_to_the_state_is_accepted_as_jax_odeint_does(x64):
+    # JAX's own odeint example: a list [dtheta, domega] for an array state (it ravels).
+    # Oracle: the same system written with an array output.
+    def pend_list(y, t, b, c):
+        theta, omega = y
+        return [omega, -b * omega - c * jnp.sin(theta)]
+
+    def pend_array(y, t, b, c):
+        return jnp.stack(pend_list(y, t, b, c))
+
+    ts = jnp.linspace(0.0, 10.0, 5)
+    y0 = jnp.array([jnp.pi - 0.1, 0.0])
+    run = lambda f, b: solvers.odeint(f, y0, ts, b, 5.0, rtol=1e-10, atol=1e-10)  # noqa: E731
+    np.testing.assert_allclose(run(pend_list, 0.25), run(pend_array, 0.25), rtol=1e-12)
+    np.testing.assert_allclose(jax.grad(lambda b: run(pend_list, b)[-1, 0])(0.25),
+                               jax.grad(lambda b: run(pend_array, b)[-1, 0])(0.25),
+                               rtol=1e-10)
+    with pytest.raises(ValueError, match="must have the same pytree structure as y0"):
+        solvers.odeint(lambda y, t: [y[0]], y0, ts)  # one entry short: not the state

@@ -192,6 +192,18 @@ def odeint(
     )
 
 
+def _ravels_like(out, y0):
+    """Whether ``f``'s output, of another structure than ``y0``, ravels to ``y0``'s size
+    with floating leaves (as ``jax.experimental.ode.odeint`` accepts: e.g. a list
+    ``[dtheta, domega]`` for an array state). Anything else is checked strictly."""
+    leaves = jax.tree.leaves(out)
+    if jax.tree.structure(out) == jax.tree.structure(y0) or not leaves:
+        return False
+    size = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(y0))
+    return (sum(int(np.prod(leaf.shape)) for leaf in leaves) == size
+            and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves))
+
+
 def _make_stepper(method):
     tab = _tableaus.TABLEAUS[method]
     if tab.implicit:
@@ -208,7 +220,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, c
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
     y0, ts = _sharding.vary_like((y0, ts), (y0, ts, args))
     out = _checks.call_shape(f, "f", y0, ts[0], *args)
-    _checks.check_like(out, y0, "f(y0, t, *args)", "y0")
+    if not _ravels_like(out, y0):  # (an output that ravels to y0's shape is accepted)
+        _checks.check_like(out, y0, "f(y0, t, *args)", "y0")
     fn, consts = jax.closure_convert(f, y0, ts[0], *args)
     y0_flat, unravel = ravel_pytree(y0)
     dtype = y0_flat.dtype
