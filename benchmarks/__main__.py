@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-SUITES = ["fixed_point", "root", "bracket", "ode"]
+SUITES = ["fixed_point", "root", "bracket", "ode", "minimize"]
 
 
 def main(argv):
