@@ -80,6 +80,30 @@ def _where(first, shape, shards):
             f"{n} (local index {(first[0] % local,) + tuple(first[1:])})]")
 
 
+def _pack(leaves):
+    """``leaves`` as one flat vector of their widest floating dtype, and the host-side
+    ``split(flat) -> leaves`` (NumPy: shapes and dtypes restored; integers and booleans
+    travel exactly up to 2**24 in float32, plenty for step counts and status codes)."""
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32), lambda flat: []
+    dtype = jnp.result_type(jnp.float32, *[jnp.result_type(v) for v in leaves
+                                           if jnp.issubdtype(jnp.result_type(v), jnp.floating)])
+    shapes = [jnp.shape(v) for v in leaves]
+    dtypes = [np.dtype(jnp.result_type(v)) for v in leaves]
+    flat = jnp.concatenate([jnp.ravel(jnp.asarray(v)).astype(dtype) for v in leaves])
+
+    def split(flat_host):
+        flat_host = np.asarray(flat_host)
+        out, start = [], 0
+        for shape, dt in zip(shapes, dtypes):
+            size = math.prod(shape)
+            out.append(flat_host[start:start + size].reshape(shape).astype(dt))
+            start += size
+        return out
+
+    return flat, split
+
+
 def host_check(ok, host, operands):
     """Call ``host(operands)`` (NumPy leaves) on the host unless ``all(ok)``; return True.
 
@@ -111,13 +135,18 @@ def host_check(ok, host, operands):
         return np.bool_(True)
 
     def decide(shards, ok, *leaves):
-        def call(ok, *leaves):
+        # The operands travel packed in one fresh buffer: a solver loop's own outputs
+        # passed to the conditional made XLA keep copies of the loop's buffers (dense
+        # Broyden n=64: 20% slower per solve, measured).
+        flat, split = _pack(leaves)
+
+        def call(ok, flat):
             return jax.pure_callback(
-                lambda *a: on_host(shards, *a),
-                jax.ShapeDtypeStruct((), jnp.bool_), ok, *leaves, vmap_method="sequential",
+                lambda ok_host, flat_host: on_host(shards, ok_host, *split(flat_host)),
+                jax.ShapeDtypeStruct((), jnp.bool_), ok, flat, vmap_method="sequential",
             )
 
-        return jax.lax.cond(jnp.all(ok), lambda *_: jnp.bool_(True), call, ok, *leaves)
+        return jax.lax.cond(jnp.all(ok), lambda *_: jnp.bool_(True), call, ok, flat)
 
     @jax.custom_batching.custom_vmap
     def guard(ok, *leaves):
