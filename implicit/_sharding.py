@@ -170,7 +170,9 @@ def batched_alike(init, *funs):
     or ``select``, then fails ("Use .at[...].get(out_sharding=)", "All operands should
     have the same sharding"). A select that keeps each value, with one element of every
     start value and closed-over value on its other side, batches every carry from the
-    start, as the loop would end up batching them anyway.
+    start, as the loop would end up batching them anyway (values sharded themselves, a
+    whole sharded array, are left out of that side: one element of one is a slice of a
+    sharded axis, which an Explicit mesh refuses).
     """
     init = on_mesh(init)
     if _explicit_mesh(init) is None:
@@ -183,8 +185,12 @@ def batched_alike(init, *funs):
         dtype = jnp.result_type(v)
         return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
 
+    def unsharded(v):  # one element of a sharded (whole) array would be a slice of it
+        spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", ())
+        return all(s is None for s in spec)
+
     refs = [jnp.real(jnp.ravel(r)[0]).astype(jnp.float32) for r in refs
-            if jnp.size(r) and plain(r)]
+            if jnp.size(r) and plain(r) and unsharded(r)]
     if not refs:
         return init
     total = on_mesh(functools.reduce(jnp.add, refs))
