@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "cond",
+    "cond_once",
     "context_manual_axes",
     "fori_loop",
     "like_output",
@@ -33,6 +34,7 @@ __all__ = [
     "vary_like",
     "varying",
     "while_loop",
+    "zeros_like",
 ]
 
 
@@ -158,10 +160,61 @@ def stackable(values):
     return [jnp.where(True, v, total.astype(jnp.result_type(v))) for v in values]
 
 
+def batched_alike(init, *funs):
+    """``init`` with every leaf tied to every other and to the values ``funs`` close
+    over, on an Explicit mesh (``init`` itself elsewhere).
+
+    ``vmap`` of a loop over an Explicit-sharded batch (JAX 0.10) first traces its body
+    with the unbatched start values left unbatched; a buffer or constant carry indexed
+    there with a batched (sharded) index, or meeting a batched value in ``concatenate``
+    or ``select``, then fails ("Use .at[...].get(out_sharding=)", "All operands should
+    have the same sharding"). A select that keeps each value, with one element of every
+    start value and closed-over value on its other side, batches every carry from the
+    start, as the loop would end up batching them anyway (values sharded themselves, a
+    whole sharded array, are left out of that side: one element of one is a slice of a
+    sharded axis, which an Explicit mesh refuses).
+    """
+    init = on_mesh(init)
+    if _explicit_mesh(init) is None:
+        return init
+    refs = list(jax.tree.leaves(init))
+    for fun in funs:
+        refs += list(jax.closure_convert(fun, init)[1])
+
+    def plain(v):  # numbers and booleans (not keys)
+        dtype = jnp.result_type(v)
+        return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+
+    def unsharded(v):  # one element of a sharded (whole) array would be a slice of it
+        spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", ())
+        return all(s is None for s in spec)
+
+    refs = [jnp.real(jnp.ravel(r)[0]).astype(jnp.float32) for r in refs
+            if jnp.size(r) and plain(r) and unsharded(r)]
+    if not refs:
+        return init
+    total = on_mesh(functools.reduce(jnp.add, refs))
+
+    def tie(v):
+        return jnp.where(True, v, total.astype(jnp.result_type(v))) if plain(v) else v
+
+    return jax.tree.map(tie, init)
+
+
+def zeros_like(tree):
+    """``jax.tree.map(jnp.zeros_like, tree)``, batched where ``tree`` is on an Explicit
+    mesh (``jnp.zeros_like`` of a batched value is not batched; stacking it with batched
+    values then fails there, as in :func:`stackable`)."""
+    if _explicit_mesh(tree) is None:
+        return jax.tree.map(jnp.zeros_like, tree)
+    return jax.tree.map(lambda v: jnp.where(False, v, jnp.zeros((), v.dtype)), tree)
+
+
 def while_loop(cond, body, init):
-    """``jax.lax.while_loop`` whose start values vary as its body's outputs do."""
+    """``jax.lax.while_loop`` whose start values vary as its body's outputs do (batched
+    alike on an Explicit mesh: see :func:`batched_alike`)."""
     if not context_manual_axes():
-        return jax.lax.while_loop(cond, body, on_mesh(init))
+        return jax.lax.while_loop(cond, body, batched_alike(init, cond, body))
     init = match_varying(init, body)
 
     axes = tuple(sorted(_union(init)))
@@ -188,7 +241,16 @@ def scan(f, init, xs):
 
 
 def fori_loop(lower, upper, body, init):
-    """``jax.lax.fori_loop`` (static bounds) whose carry varies alike (see :func:`scan`)."""
+    """``jax.lax.fori_loop`` whose carry varies alike (see :func:`scan`; traced bounds:
+    see :func:`while_loop`)."""
+    if not all(isinstance(b, int) for b in (lower, upper)):
+        # As jax.lax.fori_loop does with traced bounds, but the counter is a carry of
+        # this module's while_loop (on the mesh, batched alike).
+        i0 = jnp.asarray(lower, jnp.int32)
+        _, out = while_loop(
+            lambda c: c[0] < upper, lambda c: (c[0] + 1, body(c[0], c[1])), (i0, init)
+        )
+        return out
     if not context_manual_axes():
         return jax.lax.fori_loop(lower, upper, body, on_mesh(init))
     return scan(lambda carry, i: (body(i, carry), None), init, jnp.arange(lower, upper))[0]
@@ -211,6 +273,28 @@ def cond(pred, true_fun, false_fun, *operands):
         return lambda *ops: jax.tree.map(lambda o: vary(o, axes), fun(*ops))
 
     return jax.lax.cond(pred, typed(true_fun), typed(false_fun), *operands)
+
+
+def cond_once(pred, true_fun, false_fun, *operands):
+    """``cond(pred, true_fun, false_fun, *operands)`` for a costly, rarely taken
+    ``true_fun``, as a loop of at most one trip where arrays may be sharded (inside
+    ``shard_map`` or on an Explicit mesh; :func:`cond` elsewhere).
+
+    ``vmap`` with a batched predicate turns a ``cond`` into a select of both branches
+    evaluated for every element, and inside ``shard_map`` (JAX 0.10) first casts every
+    operand to vary as the predicate does, which fails in a branch traced with invariant
+    operands that casts one to varying itself ("pvary is a invariant->variant
+    collective"); on an Explicit mesh it batches the constants the branches close over,
+    which belong to no mesh. A loop's batched form takes ``true_fun`` only while some
+    element needs it, with its carries (the result) typed alike by :func:`while_loop`.
+    """
+    if not context_manual_axes() and _explicit_mesh((pred, operands)) is None:
+        return cond(pred, true_fun, false_fun, *operands)
+    out = false_fun(*operands)
+    _, out = while_loop(
+        lambda c: c[0], lambda c: (jnp.zeros_like(c[0]), true_fun(*operands)), (pred, out)
+    )
+    return out
 
 
 def mesh_of(*arrays):

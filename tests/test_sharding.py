@@ -18,10 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 #: Cases that fail for reasons outside this library (see docs/scaling.md); none now.
-# (solver, mode, check) known to fail, with the reason: the discrete ODE adjoint (the
-# default since issue 10) is not yet sharding-aware (gathers and loop carries), so its
-# gradient fails on an Explicit mesh and under shard_map; value, raise and nan pass.
-KNOWN_FAILURES: set = {("odeint", "explicit", "grad"), ("odeint", "shard_map", "grad")}
+KNOWN_FAILURES: set = set()
 
 
 #: XLA's CPU collectives abort when a device thread misses a rendezvous by 40 s, which a

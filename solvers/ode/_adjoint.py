@@ -528,7 +528,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lam_z1 = lam_z + exact @ gz
         weights = (inside[:, None] * frac[:, None] ** powers[None, :]).T @ gz  # (degree, n)
         _, vjp = jax.vjp(lambda z, c, th: step_fn(z, c, th, s, h, ks), z, cache, theta)
-        zero_z, zero_c = jnp.zeros_like(z), jax.tree.map(jnp.zeros_like, lam_cache)
+        zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         if explicit:
             # The adjoint's local error estimate: the cotangent through the embedded pair's
             # error estimate (one batched transpose with the cotangent itself). The steps
@@ -539,7 +539,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             both = jax.tree.map(
                 lambda a, b: jnp.stack([a, b]),
                 (lam_z1, lam_cache, weights, zero_z),
-                (zero_z, zero_c, jnp.zeros_like(weights), lam_z1),
+                (zero_z, zero_c, _sharding.zeros_like(weights), lam_z1),
             )
             out = jax.vmap(vjp)(both)
             dz, dcache, dtheta = jax.tree.map(lambda v: v[0], out)
@@ -554,7 +554,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
                 dzc, dcc, dthc = vjp((zero_z, zero_c, weights, zero_z))
                 return dz2 + dzc, dcc, jax.tree.map(jnp.add, dth2, dthc)
 
-            dz, dcache, dtheta = jax.lax.cond(
+            dz, dcache, dtheta = _sharding.cond_once(
                 ratio > REFINE_LIMIT, refined, lambda _: (dz, dcache, dtheta), None
             )
         else:
@@ -569,7 +569,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         def body(j, inner):
             return back_step(count - 1 - j, inner, buf)
 
-        lam_z, lam_cache, theta_bar = jax.lax.fori_loop(
+        lam_z, lam_cache, theta_bar = _sharding.fori_loop(
             0, count, body, (lam_z, lam_cache, theta_bar)
         )
         # The replay did not retake the forward's steps (never expected), or the cotangent
