@@ -4,6 +4,7 @@ Expected values come from closed forms, float64 central finite differences of th
 solution at tight tolerances, SciPy's Radau, or the reference values of DESIGN.md.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -615,3 +616,23 @@ def test_rhs_that_ravels_to_the_state_is_accepted_as_jax_odeint_does(x64):
                                rtol=1e-10)
     with pytest.raises(ValueError, match="must have the same pytree structure as y0"):
         solvers.odeint(lambda y, t: [y[0]], y0, ts)  # one entry short: not the state
+
+
+def test_max_step_bounds_the_steps_so_a_pulse_is_not_stepped_over(x64):
+    # y' = -y + pulse(t), y(0) = 0, a Gaussian pulse of width w at t = 5: the zero
+    # solution lets the steps grow past the pulse. y(10) = w sqrt(pi) e^{-5} (1 + O(w²)).
+    w = 1e-3
+
+    def f(y, t):
+        return -y + jnp.exp(-(((t - 5.0) / w) ** 2))
+
+    ts = jnp.array([0.0, 10.0])
+    exact = w * math.sqrt(math.pi) * math.exp(-5.0)
+    ys, info = solvers.odeint(f, 0.0, ts, max_step=w / 2, rtol=1e-8, atol=1e-12,
+                              max_steps=100_000, full_output=True)
+    np.testing.assert_allclose(float(ys[-1]), exact, rtol=1e-5)
+    assert int(info.num_steps) >= 10.0 / (w / 2)
+    free = solvers.odeint(f, 0.0, ts, rtol=1e-8, atol=1e-12)
+    assert abs(float(free[-1]) - exact) > 0.5 * exact  # strode over it (why max_step exists)
+    with pytest.raises(ValueError, match="max_step"):
+        solvers.odeint(f, 0.0, ts, max_step=-1.0)

@@ -84,6 +84,8 @@ class Stepper(NamedTuple):
     # extension's value): for a method whose continuous extension is of lower order than
     # the step (kvaerno5's cubic Hermite).
     lands: bool = False
+    # The largest step size (``odeint``'s ``max_step``, jax odeint's ``hmax``).
+    max_step: float = float("inf")
 
 
 class Record(NamedTuple):
@@ -202,6 +204,7 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     h_next = h * factor
     # A step shortened to end on a time says little about the next one.
     h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
+    h_next = jnp.minimum(h_next, stepper.max_step)
     s_new = jnp.where(accept, s1, s)
     z_new = jnp.where(accept, z1, z)
     cache = jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
@@ -292,6 +295,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         auto_h,
         None,
     )
+    h = jnp.minimum(h, stepper.max_step).astype(dtype)
     dense = jnp.asarray(stepper.dense.T, dtype)  # (degree, stages)
     degree = dense.shape[0]
     stages = dense.shape[1]

@@ -72,6 +72,7 @@ def odeint(
     adjoint_atol=None,
     adjoint_window=64,
     first_step=None,
+    max_step=None,
     on_failure="raise",
     full_output=False,
 ):
@@ -125,6 +126,8 @@ def odeint(
       adjoint_window: accepted steps between the discrete adjoint's checkpoints, and
         forward steps the interpolating adjoint keeps at a time: memory only.
       first_step: initial step size (default: chosen automatically).
+      max_step: the largest step size (``jax.experimental.ode.odeint``'s ``hmax``; default:
+        unbounded), e.g. so that a short forcing pulse is not stepped over.
       on_failure: what to do when ``max_steps`` is exhausted, the step size underflows,
         the state becomes non-finite (forward or backward) or traced ``ts`` are not
         increasing: ``"raise"`` (default: a :class:`solvers.ConvergenceError` naming the
@@ -156,6 +159,7 @@ def odeint(
         ("adjoint_rtol", adjoint_rtol),
         ("adjoint_atol", adjoint_atol),
         ("first_step", first_step),
+        ("max_step", max_step),
     ):
         _checks.check_positive(value, name)
     if adjoint is None:
@@ -185,6 +189,7 @@ def odeint(
         method=method,
         adjoint=adjoint,
         window=int(adjoint_window),
+        max_step=float("inf") if max_step is None else float(max_step),
         options=opts,
         solver=solver,
         fn=f,
@@ -204,17 +209,22 @@ def _ravels_like(out, y0):
             and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves))
 
 
-def _make_stepper(method):
+def _make_stepper(method, max_step=float("inf")):
     tab = _tableaus.TABLEAUS[method]
     if tab.implicit:
-        from solvers.ode._stiff import implicit_stepper
+        from solvers.ode._stiff import implicit_stepper as make
+    else:
+        make = explicit_stepper
 
-        return functools.partial(implicit_stepper, tab)
-    return functools.partial(explicit_stepper, tab)
+    def stepper(*args, **kwargs):
+        return make(tab, *args, **kwargs)._replace(max_step=max_step)
+
+    return stepper
 
 
 @_runner.jit_solver
-def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, check):
+def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options, solver,
+           check):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
@@ -239,7 +249,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, options, solver, c
 
     report = functools.partial(_report_backward, solver=solver, max_steps=max_steps)
     solve = _adjoint.make_solve(
-        _make_stepper(method),
+        _make_stepper(method, max_step),
         G,
         y0_flat.size,
         on_failure=on_failure,
