@@ -8,7 +8,8 @@ and parameters. The runner owns everything else, identically for every solver:
 - :func:`iterate`: the ``lax.while_loop`` and the termination test. The guess is tested
   before any step; a solve is converged only when ``error <= atol + rtol * scale`` holds
   with a finite error and scale (and the method confirms it); a non-finite error or
-  scale stops it as ``nonfinite``; no new smallest error over ``STAGNATION_WINDOW`` steps
+  scale stops it as ``nonfinite``; no new smallest error (nor a ``Progress.improved``
+  step) over ``STAGNATION_WINDOW`` steps
   stops it as ``stagnated``; running out of steps is ``max_steps``.
 - :func:`solve`: attaches the implicit rule (one adjoint policy for every solver: the
   backward solve runs at ``ADJOINT_RTOL_FACTOR * rtol`` with the forward ``max_steps``
@@ -105,13 +106,16 @@ class Progress(NamedTuple):
     must be non-finite when the iterate is; stagnation is judged on it too). ``status``
     is ``RUNNING`` unless the method knows the solve failed (e.g. ``SINGULAR``);
     ``confirmed`` is False when the test must not end the solve yet (an error estimated
-    from a stale Jacobian).
+    from a stale Jacobian); ``improved`` is True when the step made progress that the
+    error does not show (a minimiser's objective fell measurably), which also resets the
+    stagnation count.
     """
 
     error: Any
     scale: Any
     status: Any = _status.RUNNING
     confirmed: Any = True
+    improved: Any = False
 
 
 class Method(NamedTuple):
@@ -147,6 +151,7 @@ def max_norm(tree):
 
 
 def _judge(progress, rtol, atol, dtype):
+    """``(status, error, improved)`` of a :class:`Progress`."""
     error = jnp.asarray(progress.error, dtype)
     scale = jnp.asarray(progress.scale, dtype)
     finite = jnp.isfinite(error) & jnp.isfinite(scale)
@@ -157,7 +162,7 @@ def _judge(progress, rtol, atol, dtype):
         jnp.where(~finite, _status.NONFINITE, jnp.where(passed, _status.CONVERGED,
                                                         _status.RUNNING)),
     ).astype(jnp.int32)
-    return status, error
+    return status, error, progress.improved
 
 
 def iterate(
@@ -195,7 +200,7 @@ def iterate(
         status = jnp.int32(_status.RUNNING)
         error = jnp.asarray(jnp.finfo(dtype).max, dtype)
     else:
-        status, error = _judge(method.terminate(state), rtol, atol, dtype)
+        status, error, _ = _judge(method.terminate(state), rtol, atol, dtype)
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
     zero = jnp.zeros((), jnp.int32)
     # Steps taken, the warm-up's included (it is not counted in num_steps).
@@ -212,9 +217,9 @@ def iterate(
         for _ in range(every):
             state = method.step(state)
         k = k + every
-        status, error = _judge(method.terminate(state), rtol, atol, dtype)
+        status, error, improved = _judge(method.terminate(state), rtol, atol, dtype)
         if window is not None:
-            since = jnp.where(error < best, 0, since + 1)
+            since = jnp.where((error < best) | improved, 0, since + 1)
             best = jnp.minimum(best, error)
             stuck = (
                 (status == _status.RUNNING)

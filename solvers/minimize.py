@@ -264,8 +264,6 @@ def _solve(
             atol=atol,
             max_steps=options.max_steps,
             record_history=history,
-            # Judged on the objective and the gradient together (see _advance).
-            stagnation_window=None,
         )
         return unravel(state.x), info
 
@@ -352,8 +350,7 @@ class _State(NamedTuple):
     scale: Any  # max|∇fun(x0)|
     t: Any  # the last accepted step length
     best: Any  # the smallest fun so far
-    best_error: Any  # the smallest error so far
-    since: Any  # steps without progress (see _advance)
+    improved: Any  # whether the last step lowered fun measurably (see _advance)
     memory: Any  # the method's own state
 
 
@@ -421,34 +418,28 @@ def _initializer(value_and_grad, init_memory, box):
         error = _error(f, x0, g, box)
         return _State(x0, f, g, jnp.int32(_status.RUNNING), error,
                       _runner.max_norm(_stationarity(x0, g, box)), jnp.ones((), x0.dtype), f,
-                      error, jnp.int32(0), init_memory(x0))
+                      jnp.bool_(False), init_memory(x0))
 
     return init
 
 
 def _advance(state, x, f, g, failed, box=None):
-    """The state at the new iterate, with its status: ``no_decrease`` if ``failed``,
-    ``stagnated`` when for ``STAGNATION_WINDOW`` steps neither has fun fallen measurably
-    (beyond its rounding floor) nor has the gradient reached a new smallest max-norm.
-    Both count as progress: the gradient need not decrease monotonically along a curved
-    valley, and fun stops changing measurably near a minimum while the gradient (what
-    the test judges) still shrinks."""
-    error = _error(f, x, g, box)
+    """The state at the new iterate, with its status (``no_decrease`` if ``failed``) and
+    whether fun fell measurably (beyond its rounding floor). The runner's stagnation
+    test counts that as progress besides a new smallest gradient: the gradient need not
+    decrease monotonically along a curved valley, and fun stops changing measurably near
+    a minimum while the gradient (what the test judges) still shrinks."""
     floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(state.best)
     improved = f < state.best - floor
-    progress = improved | (error < state.best_error)
-    since = jnp.where(progress, 0, state.since + 1)
-    status = jnp.where(
-        failed, _status.NO_DECREASE,
-        jnp.where(since >= _runner.STAGNATION_WINDOW, _status.STAGNATED, _status.RUNNING),
-    )
-    return state._replace(x=x, f=f, g=g, status=status.astype(jnp.int32), error=error,
-                          best=jnp.where(improved, f, state.best),
-                          best_error=jnp.minimum(error, state.best_error), since=since)
+    status = jnp.where(failed, _status.NO_DECREASE, _status.RUNNING)
+    return state._replace(x=x, f=f, g=g, status=status.astype(jnp.int32),
+                          error=_error(f, x, g, box), best=jnp.where(improved, f, state.best),
+                          improved=improved)
 
 
 def _terminate(state):
-    return _runner.Progress(state.error, state.scale, state.status)
+    return _runner.Progress(state.error, state.scale, state.status,
+                            improved=state.improved)
 
 
 def _optax_method(tx, value_and_grad, unravel, value_tree, box=None):
