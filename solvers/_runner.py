@@ -202,40 +202,49 @@ def iterate(
     else:
         status, error, _ = _judge(method.terminate(state), rtol, atol, dtype)
     history = jnp.full((max_steps if record_history else 0,), jnp.nan, dtype)
-    zero = jnp.zeros((), jnp.int32)
     # Steps taken, the warm-up's included (it is not counted in num_steps).
     start = jnp.int32(1 if method.warmup and every > 1 else 0)
     limit = max_steps + int(method.warmup)
     window = None if stagnation_window is None else -(-stagnation_window // every)
 
+    # With stagnation, the loop's scalars (status, error, smallest error, trips since it
+    # fell) travel as one array, updated at once: on CPU each separate update costs a
+    # kernel launch per step (without, the two are carried apart: cheaper to fuse).
+    acc = jnp.promote_types(dtype, jnp.float32)
+
+    def record(status, error, best, since):
+        if window is None:
+            return status, error
+        return jnp.stack([jnp.asarray(v).astype(acc) for v in (status, error, best, since)])
+
     def cond(carry):
-        _, k, status, *_ = carry
-        return (status == _status.RUNNING) & (k < limit)
+        _, k, rec, _ = carry
+        return (rec[0] == _status.RUNNING) & (k < limit)
 
     def body(carry):
-        state, k, _, _, best, since, history = carry
+        state, k, rec, history = carry
         for _ in range(every):
             state = method.step(state)
         k = k + every
         status, error, improved = _judge(method.terminate(state), rtol, atol, dtype)
+        best = since = None
         if window is not None:
-            since = jnp.where((error < best) | improved, 0, since + 1)
+            best, since = rec[2], rec[3]
+            fell = (error < best) | improved
             best = jnp.minimum(best, error)
-            stuck = (
-                (status == _status.RUNNING)
-                & (since >= window)
-                & (error <= STAGNATION_BAND * best)
-            )
-            status = jnp.where(stuck, _status.STAGNATED, status)
+            since = jnp.where(fell, 0, jnp.minimum(since + 1, window))
+            stuck = (since >= window) & (error <= STAGNATION_BAND * best)
+            status = jnp.where((status == _status.RUNNING) & stuck, _status.STAGNATED, status)
         if record_history:  # (the warm-up step tests the guess: no step to record)
             i = k - 1 - int(method.warmup)
             i_ok = (i >= 0) & (i < max_steps)
             i = jnp.clip(i, 0, max_steps - 1)
             history = history.at[i].set(jnp.where(i_ok, error, history[i]))
-        return state, k, status, error, best, since, history
+        return state, k, record(status, error, best, since), history
 
-    init = (state, start, status, error, error, zero, history)
-    state, k, status, error, _, _, history = _sharding.while_loop(cond, body, init)
+    init = (state, start, record(status, error, error, 0), history)
+    state, k, rec, history = _sharding.while_loop(cond, body, init)
+    status, error = jnp.asarray(rec[0]).astype(jnp.int32), jnp.asarray(rec[1]).astype(dtype)
     status = jnp.where(status == _status.RUNNING, _status.MAX_STEPS, status)
     info = Info(
         converged=status == _status.CONVERGED,
