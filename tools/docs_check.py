@@ -8,7 +8,8 @@ Run by ``make docs-check`` (not part of CI). Checks, with Playwright driving Deb
 - the search box returns results for ``fixed_point``;
 - the API reference shows a heading for every name in ``implicit.__all__`` and
   ``solvers.__all__``;
-- every notebook page shows its figures (``img`` elements, loaded).
+- every notebook page shows its figures (``img`` elements, loaded) and, where its
+  markdown has formulas, typesets them with the site's own MathJax (no ``$`` left).
 
 A full-page screenshot of every page (and of the search results) is saved under
 ``site_check/``, with ``report.txt``. The notebooks' figures come from the executed copies
@@ -188,6 +189,16 @@ def check(base, pages):
                 notes.append(f"{len(images)} figures, {sum(images)} loaded")
                 if not images or not all(images):
                     problems.append(f"notebook figures: {len(images)} img, {sum(images)} loaded")
+                page.wait_for_function(
+                    "!window.MathJax || !MathJax.Hub || MathJax.Hub.queue.pending === 0",
+                    timeout=30_000)
+                typeset = page.eval_on_selector_all(".MathJax_CHTML", "els => els.length")
+                raw = page.eval_on_selector_all(
+                    "article .jp-MarkdownOutput",
+                    r"els => els.filter(e => /\$[^$\s][^$]*\$/.test(e.innerText)).length")
+                notes.append(f"{typeset} formulas typeset")
+                if raw:
+                    problems.append(f"{raw} markdown cells with untypeset $...$ formulas")
             if src.startswith("api/"):
                 headings = page.eval_on_selector_all(
                     "article h1, article .doc-heading",

@@ -6,13 +6,19 @@ figures, under ``build/notebooks/`` (with the SHA-256 of the source it ran). Thi
 adds every ``notebooks/*.ipynb`` to the site as ``notebooks/<name>.ipynb`` (rendered by
 mkdocs-jupyter): the executed copy where it was made from the current source, else the
 source itself (code and text, no outputs).
+
+The notebooks' formulas are typeset by MathJax 2, which this hook copies from the
+``jupyter-server-mathjax`` package (the docs extra) into ``assets/mathjax/`` of the site:
+the pages load it from there, never from a CDN.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -60,3 +66,15 @@ def on_files(files, config):
             )
         )
     return files
+
+
+def on_post_build(config):
+    # Located, not imported (importing it starts loading Jupyter Server).
+    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    if spec is None:
+        raise RuntimeError("the docs need jupyter-server-mathjax: pip install -e '.[docs]'")
+    static = Path(spec.submodule_search_locations[0]) / "static"
+    target = Path(config["site_dir"]) / "assets" / "mathjax"
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(static, target)
