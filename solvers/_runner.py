@@ -53,6 +53,7 @@ __all__ = [
     "iterate",
     "jit_solver",
     "max_norm",
+    "max_norms",
     "options",
     "solve",
 ]
@@ -148,6 +149,22 @@ def max_norm(tree):
     if len(leaves) == 1:
         return _leaf_max_norm(leaves[0])
     return jnp.max(jnp.stack([_leaf_max_norm(leaf) for leaf in leaves]))
+
+
+def max_norms(*trees):
+    """:func:`max_norm` of each of several trees of the same shapes, as a tuple.
+
+    One-array trees on one device are reduced together, in one pass (on CPU each separate
+    reduction is a kernel launch per step of a loop).
+    """
+    leaves = [jax.tree.leaves(tree) for tree in trees]
+    if all(len(ls) == 1 for ls in leaves):
+        arrays = [ls[0] for ls in leaves]
+        if (len({a.shape for a in arrays}) == 1 and len({a.dtype for a in arrays}) == 1
+                and not any(_sharding.on_several_devices(a) for a in arrays)):
+            norms = jnp.max(jnp.abs(jnp.stack(arrays)), axis=tuple(range(1, arrays[0].ndim + 1)))
+            return tuple(norms[i] for i in range(len(arrays)))
+    return tuple(max_norm(tree) for tree in trees)
 
 
 def _judge(progress, rtol, atol, dtype):

@@ -200,7 +200,7 @@ def _iterate_method(fn, damping, regularization, history_size):
         fx = fn(x)
         g = jax.tree.map(jnp.subtract, fx, x)
         x = jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
-        return x, _runner.max_norm(g), _runner.max_norm(fx)
+        return x, *_runner.max_norms(g, fx)
 
     return _runner.Method(init=_init, step=step, terminate=_progress, warmup=True)
 
@@ -247,6 +247,6 @@ def _anderson_method(fn, damping, regularization, history_size):
         x_new = alpha @ (xs + damping * gs)
         # A degenerate least-squares system falls back to a damped plain step.
         x_new = jnp.where(jnp.all(jnp.isfinite(x_new)), x_new, x_flat + damping * g)
-        return (unravel(x_new), _runner.max_norm(g), _runner.max_norm(fx), xs, gs, k + 1)
+        return (unravel(x_new), *_runner.max_norms(g, fx), xs, gs, k + 1)
 
     return _runner.Method(init=init, step=step, terminate=_progress, warmup=True)
