@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SUITES = ["fixed_point", "root", "bracket", "ode", "minimize"]
+SUITES = ["fixed_point", "root", "bracket", "ode", "neural_ode", "minimize"]
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ["jax", "jaxlib", "jaxopt", "optimistix", "lineax", "diffrax", "optax", "scipy"]
 
@@ -75,7 +75,7 @@ def machine_header(suites):
 def report_lines(text):
     """The headings, tables and best-peer lines of a run's output (not the progress lines)."""
     keep = [line for line in text.splitlines()
-            if line.startswith(("#", "|", "best peer")) or not line.strip()]
+            if line.startswith(("#", "|", "- ", "best peer")) or not line.strip()]
     # Headings one level down: the report is included under the page's own heading.
     keep = ["#" + line if line.startswith("#") else line for line in keep]
     out = []
