@@ -121,6 +121,11 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction):
         ts_bar = jnp.where(i <= k, tau_bar, 0)
         theta_bar = jax.tree.map(lambda a, b: a - w * b, theta_bar, g_th)
         ev_theta_bar = jax.tree.map(lambda b: -w * b, g_evth)
+        # A non-finite event value failed the forward pass: NaN gradients, never numbers.
+        grads = (z0_bar, ts_bar, theta_bar, ev_theta_bar)
+        z0_bar, ts_bar, theta_bar, ev_theta_bar = jax.tree.map(
+            lambda v: jnp.where(result.bad, jnp.nan, v), grads
+        )
         return z0_bar, ts_bar, theta_bar, None, ev_theta_bar, None, None
 
     event_solve.defvjp(fwd, bwd)
