@@ -11,6 +11,11 @@ Two problems, float64 on CPU:
   ``Σ_i y1(t_i) + 1e4 y2(t_i)``, gradient with respect to ``log k``. Reference: SciPy Radau
   (rtol 1e-10, atol 1e-16, exact Jacobian) for the loss; central differences of it (step
   1e-4 in ``log k``, rtol 1e-11) for the gradient.
+- Events: a body falling from ``h = 10`` with quadratic drag, ``y'' = -g + κ y'²``
+  (g, κ) = (9.81, 0.05), stopped where the height crosses zero, rtol = atol = 1e-8.
+  Loss: the impact time, gradient with respect to (g, κ). Reference: the closed form
+  ``t = arccosh(exp(κ h)) / sqrt(g κ)`` and its derivative. diffrax: ``diffrax.Event``
+  with ``optimistix.Newton`` (rtol = atol = 1e-10) locating the crossing.
 
 Columns: compile s (lower + compile of ``jit(value_and_grad(loss))``; SciPy: none),
 solve ms and grad ms (value and gradient; fastest of >= 20 calls), steps (attempted
@@ -51,6 +56,10 @@ ROB_Y0 = np.array([1.0, 0.0, 0.0])
 ROB_TS = np.concatenate([[0.0], np.logspace(-5, 5, 11)])
 ROB_RTOL, ROB_ATOL = 1e-6, 1e-10
 
+EV_H = 10.0
+EV_PARAMS = np.array([9.81, 0.05])  # g, κ
+EV_RTOL = EV_ATOL = 1e-8
+
 
 # --------------------------------------------------------------------------- problems
 
@@ -63,6 +72,20 @@ def lotka_volterra(y, t, a, b, c, d):
 def robertson(y, t, k1, k2, k3):
     a, b, c = y[0], y[1], y[2]
     return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b])
+
+
+def drag_fall(y, t, g, kappa):
+    return jnp.stack([y[1], -g + kappa * y[1] ** 2])
+
+
+def drag_height(y, t, g, kappa):
+    return y[0]
+
+
+def impact_time_exact(p):
+    """The closed form: ``y = h - log(cosh(t sqrt(gκ))) / κ`` is zero there."""
+    g, kappa = p
+    return jnp.arccosh(jnp.exp(kappa * EV_H)) / jnp.sqrt(g * kappa)
 
 
 def lv_loss(ys):
@@ -390,6 +413,70 @@ def plot_work_precision(lv, rob, path):
     plt.close(fig)
 
 
+def events_rows():
+    """The impact time of a falling body with drag, and its gradient: ours vs diffrax."""
+    import diffrax
+    import optimistix as optx
+
+    import solvers
+
+    y0 = jnp.array([EV_H, 0.0])
+    ts = jnp.array([0.0, 10.0])
+    params = jnp.asarray(EV_PARAMS)
+    t_ref = float(impact_time_exact(params))
+    g_ref = np.asarray(jax.grad(impact_time_exact)(params))
+
+    def ours_impact(method):
+        def impact(p):
+            _, info = solvers.odeint(drag_fall, y0, ts, *p, method=method, rtol=EV_RTOL,
+                                     atol=EV_ATOL, event=drag_height, full_output=True)
+            return info.event_time, info.num_steps
+
+        return impact
+
+    def diffrax_impact(solver):
+        term = diffrax.ODETerm(lambda t, y, args: drag_fall(y, t, *args))
+        event = diffrax.Event(lambda t, y, args, **kw: y[0],
+                              root_finder=optx.Newton(rtol=1e-10, atol=1e-10))
+
+        def impact(p):
+            sol = diffrax.diffeqsolve(
+                term, solver(), 0.0, 10.0, None, y0, args=tuple(p),
+                saveat=diffrax.SaveAt(t1=True), event=event, max_steps=100_000,
+                stepsize_controller=diffrax.PIDController(rtol=EV_RTOL, atol=EV_ATOL),
+            )
+            return sol.ts[-1], sol.stats["num_steps"]
+
+        return impact
+
+    rows = []
+    for name, group, impact in (
+        ("ours dopri5", OURS, ours_impact("dopri5")),
+        ("ours tsit5", OURS, ours_impact("tsit5")),
+        ("diffrax Dopri5 + Event(optx.Newton)", "peer", diffrax_impact(diffrax.Dopri5)),
+        ("diffrax Tsit5 + Event(optx.Newton)", "peer", diffrax_impact(diffrax.Tsit5)),
+    ):
+        def value(p, impact=impact):
+            return impact(p)[0]
+
+        compile_s, compiled_vg = compile_time(jax.value_and_grad(value), params)
+        _, compiled = compile_time(impact, params)
+        t_e, steps = compiled(params)
+        _, grad = compiled_vg(params)
+        row = Row(name, group, {
+            "compile s": compile_s,
+            "steps": int(steps),
+            "event time error": abs(float(t_e) - t_ref) / t_ref,
+            "grad error": float(np.max(np.abs(np.asarray(grad) - g_ref)) / np.max(np.abs(g_ref))),
+        })
+        row.calls = {"solve ms": lambda c=compiled: c(params),
+                     "grad ms": lambda c=compiled_vg: c(params)}
+        row.recompile = lambda v=value: compile_time(jax.value_and_grad(v), params)[0]
+        print(f"  {name}: compile {compile_s:.2f} s", flush=True)
+        rows.append(row)
+    return time_rows(rows)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -418,6 +505,13 @@ def main():
     rob_rows = robertson_rows(*rob_ref)
     print_table("Robertson to t = 1e5: Σ y1 + 1e4 y2 over 12 outputs and its gradient w.r.t. "
                 "log k, rtol = 1e-6, atol = 1e-10", rob_rows, columns, ratio_columns=ratios)
+    print("\nEvents ...", flush=True)
+    ev_rows = events_rows()
+    print_table("Events: impact time of a falling body with quadratic drag and its gradient "
+                "w.r.t. (g, κ), rtol = atol = 1e-8",
+                ev_rows, ["compile s", "solve ms", "grad ms", "steps", "event time error",
+                          "grad error"],
+                ratio_columns=["compile s", "solve ms", "grad ms", "event time error"])
     for note in (
         f"Times: fastest of {ROUNDS} calls, all rows of a table timed round-robin; compile s: "
         "lower + compile of jit(value_and_grad(loss)) from cleared caches, fastest of "

@@ -262,6 +262,7 @@ def test_notebooks_are_found():
         "deq_with_optax.ipynb",
         "root_finding.ipynb",
         "ode_fitting.ipynb",
+        "ode_events.ipynb",
         "hyperparameter_optimization.ipynb",
     } <= names
 

@@ -166,6 +166,102 @@ class Carry(NamedTuple):
     last_step: Any  # LastStep (dense mode) or None
     rec: Any  # Record ring buffer (``start`` unset) or None
     ck: Any = None  # checkpoints (packed controller, state, cache) every W accepted steps
+    ev: Any = None  # EventCarry (events only)
+
+
+class EventCarry(NamedTuple):
+    """The event functions' values along the loop (``integrate(..., event=)``)."""
+
+    g: Any  # (E,) the event values at the current point
+    g_start: Any  # (E,) ... at the start of the last accepted step
+    cross: Any  # (E,) bool: which components changed sign (in the chosen direction) there
+    fired: Any  # bool: a crossing was found: the loop stops after that step
+    bad: Any  # bool: an event value was not finite (status NONFINITE)
+
+
+class EventResult(NamedTuple):
+    """Where the integration stopped on an event (or not).
+
+    ``t``: the crossing time (``inf`` if none; NaN if an event value was not finite),
+    ``z``: the state there (NaN if none), ``index``: the component of the raveled event
+    values that crossed first (-1 if none), ``bad``: an event value was not finite.
+    """
+
+    t: Any
+    z: Any
+    index: Any
+    bad: Any
+
+
+#: Bracket iterations locating a crossing on a step's continuous extension (Chandrupatla's
+#: method converges in a handful; the cap is bisection's worst case from [0, 1] in float64).
+EVENT_MAX_ITERS = 100
+
+
+def crossings(g0, g1, direction):
+    """Which components went from ``g0`` to ``g1`` across zero, in ``direction``.
+
+    ``"rising"``: from negative to zero or positive; ``"falling"``: from positive to zero or
+    negative; ``"both"``: either. A component that starts at exactly zero does not count
+    (the integration starts on the surface); NaN never counts.
+    """
+    rising = (g0 < 0) & (g1 >= 0)
+    falling = (g0 > 0) & (g1 <= 0)
+    if direction == "rising":
+        return rising
+    if direction == "falling":
+        return falling
+    return rising | falling
+
+
+def locate_event(event, last_step, dense, g_start, g_end, cross):
+    """The first crossing inside an accepted step, on its continuous extension.
+
+    ``event(z, s) -> (E,)``; ``last_step``: the step (start, size, state, stages);
+    ``g_start``/``g_end``: the event values at its ends; ``cross``: the components that
+    changed sign. Each crossing component's root in ``θ ∈ [0, 1]`` (``t = s + θ h``) is
+    found by Chandrupatla's method (:mod:`solvers.bracket`'s steps) to a few ulps of the
+    time; the earliest one wins. Returns ``(t, z, index, finite)``.
+    """
+    from solvers import bracket
+
+    s, h, z0, ks = last_step
+    dtype = z0.dtype
+    E = g_start.shape[0]
+    coef = h * (dense @ ks)
+    idx = jnp.arange(E)
+
+    def state(theta):
+        return z0 + _horner(coef, theta)
+
+    def fn(theta):  # (E,) thetas -> component j of the event at theta[j]
+        return jax.vmap(lambda th, j: event(state(th), s + th * h)[j])(theta, idx)
+
+    eps = jnp.finfo(dtype).eps
+    atol = 2 * eps * (jnp.abs(s) + jnp.abs(h)) / jnp.abs(h)
+    lower = jnp.zeros((E,), dtype)
+    upper = jnp.ones((E,), dtype)
+    init, f_start = bracket._chandrupatla_init(fn, lower, upper)
+    # Components that did not cross take no part (a bracket "without a sign change").
+    init = init._replace(flag=jnp.where(cross, init.flag, _status.NO_SIGN_CHANGE))
+    step = bracket._chandrupatla_step(fn, jnp.zeros((), dtype), atol)
+
+    def cond(c):
+        st, i = c
+        return jnp.any(st.flag == _status.RUNNING) & (i < EVENT_MAX_ITERS)
+
+    st, _ = _sharding.while_loop(cond, lambda c: (step(c[0]), c[1] + 1),
+                                 (init, jnp.zeros((), jnp.int32)))
+    theta, _ = bracket._chandrupatla_finish(st)
+    # A crossing the interpolant misses (its value at θ = 1 rounds to the other side):
+    # the root is the step's end to round-off.
+    theta = jnp.where(st.flag == _status.NO_SIGN_CHANGE, 1.0, theta)
+    finite = ~jnp.any(cross & ((st.flag == _status.NONFINITE) | ~jnp.isfinite(theta)))
+    theta = jnp.where(cross, jnp.clip(theta, 0, 1), jnp.inf)
+    j = jnp.argmin(theta)
+    th = theta[j]
+    t = jnp.where(th == 1, s + h, s + th * h)
+    return t, state(th), j.astype(jnp.int32), finite
 
 
 def valid_times(ts):
@@ -261,7 +357,7 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None):
+         checkpoint=None, event=None, direction="both"):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -271,6 +367,10 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     ``jump(j, z)`` then runs). The step loop itself carries no output logic, and stops
     after ``budget`` attempted steps whatever the input. Output times that are not finite
     and strictly increasing (traced ``ts``) skip the integration: status ``INVALID_INPUT``.
+    With ``event(z, s) -> (E,)`` (dense mode) the loop also stops after the first accepted
+    step across which an event component changes sign (:func:`crossings`); the crossing is
+    then located on that step's continuous extension (:func:`locate_event`), once, after
+    the loop, and the outputs past it hold the state there.
     """
     dtype = z0.dtype
     T = ts.shape[0]
@@ -314,6 +414,15 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         num_factorizations=jnp.asarray(c0[2], i32),
         status=jnp.where(valid, NOT_FAILED, _status.INVALID_INPUT).astype(i32),
     )
+    ev = None
+    if event is not None:
+        g0 = event(z0, ctrl.s)
+        g_ok = jnp.all(jnp.isfinite(g0))
+        no = jnp.zeros(g0.shape, bool)
+        ev = EventCarry(g0, g0, no, jnp.zeros((), bool), ~g_ok)
+        ctrl = ctrl._replace(
+            status=jnp.where(valid & ~g_ok, _status.NONFINITE, ctrl.status).astype(i32)
+        )
     last_step = (
         None
         if jumps
@@ -340,12 +449,32 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
         def cond(c):
             ctrl = Controller.unpack(c.ctrl)
-            return (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
+            going = (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
+            return going if event is None else going & ~c.ev.fired
 
         def body(c):
-            ctrl, z, cache, last_step, rec, ck = c
+            ctrl, z, cache, last_step, rec, ck, ev = c
             ctrl = Controller.unpack(ctrl)
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
+            if event is not None:
+                g1 = event(z, ctrl.s)
+                ok = jnp.all(jnp.isfinite(g1))
+                cross = accept & ok & crossings(ev.g, g1, direction)
+                fired = jnp.any(cross)
+                bad = accept & ~ok
+                ev = EventCarry(
+                    g=jnp.where(accept & ok, g1, ev.g),
+                    g_start=jnp.where(accept, ev.g, ev.g_start),
+                    cross=jnp.where(accept, cross, ev.cross),
+                    fired=fired,
+                    bad=bad,
+                )
+                # A crossing ends the integration (even on the budget's last step); a
+                # non-finite event value is a failure.
+                status = jnp.where(fired & (ctrl.status == _status.MAX_STEPS), NOT_FAILED,
+                                   ctrl.status)
+                status = jnp.where(bad & (status == NOT_FAILED), _status.NONFINITE, status)
+                ctrl = ctrl._replace(status=status.astype(i32))
             if checkpoint:
                 ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
@@ -359,16 +488,18 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                     rec,
                     new,
                 )
-            return Carry(ctrl.pack(), z, cache, last_step, rec, ck)
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev)
 
         return _sharding.while_loop(cond, body, carry)
 
     def per_time(carry, j):
         target = ts[j]
         carry = step_loop(target, carry)
-        ctrl, z, cache, last_step, rec, ck = carry
+        ctrl, z, cache, last_step, rec, ck, ev = carry
         ctrl = Controller.unpack(ctrl)
         reached = (ctrl.s >= target) & valid
+        if event is not None:  # past an event: filled in after the loop
+            reached = reached | (ev.fired & valid)
         if jumps:
             interior = reached & (j < T - 1)
             zj = jump(j, z)
@@ -378,7 +509,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             ctrl = ctrl._replace(
                 num_fevals=ctrl.num_fevals + interior.astype(i32) * stepper.init_counts[0]
             )
-            return Carry(ctrl.pack(), z, cache, last_step, rec, ck), None
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev), None
         y = last_step.z + _horner(
             last_step.h * (dense @ last_step.ks), (target - last_step.s) / last_step.h
         )
@@ -393,11 +524,30 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             (ctrl.pack(), z0, cache),
         )
         ck = (bufs, jnp.asarray(W, i32))
-    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck)
+    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck, ev)
     carry, ys = _sharding.scan(per_time, carry, jnp.arange(1, T))
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end
+    if event is not None:
+        ev = carry.ev
+        reached_end = reached_end | ev.fired
+        t_e, z_e, index, finite = locate_event(
+            event, carry.last_step, dense, ev.g_start, ev.g, ev.cross
+        )
+        fired = ev.fired & finite
+        bad = ev.bad | (ev.fired & ~finite)
+        # Strictly after the start and no later than the end (round-off at θ = 0 or 1).
+        t_e = jnp.clip(t_e, jnp.nextafter(t0, jnp.asarray(jnp.inf, dtype)), t_end)
+        t_e = jnp.where(fired, t_e, jnp.where(bad, jnp.nan, jnp.inf))
+        z_e = jnp.where(fired, z_e, jnp.nan)
+        index = jnp.where(fired, index, -1)
+        ctrl = ctrl._replace(
+            status=jnp.where(bad & (ctrl.status == NOT_FAILED), _status.NONFINITE,
+                             ctrl.status).astype(i32)
+        )
+        ys = jnp.where((ts[1:] > t_e)[:, None] & fired, z_e, ys)
+        event_result = EventResult(t_e, z_e, index, bad)
     status = jnp.where(
         (ctrl.status == NOT_FAILED) & ~reached_end, _status.MAX_STEPS, ctrl.status
     ).astype(i32)
@@ -416,6 +566,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     if jumps:
         return jnp.where(valid, z, jnp.nan), stats
     ys = jnp.concatenate([z0[None], ys])
+    if event is not None:
+        return ys, stats, event_result
     if checkpoint:
         return ys, stats, carry.ck
     if not record:
@@ -429,7 +581,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None):
+              checkpoint=None, event=None, direction="both"):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
@@ -441,10 +593,11 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     cache)`` after ``c·spacing`` accepted steps (``C`` slots, ``C`` even; ``bufs[0]`` the
     initial one; ``spacing`` starts at ``W`` and doubles whenever the slots are full),
     from which :func:`_attempt` replays the following steps exactly (the discrete
-    adjoint).
+    adjoint). With ``event(z, s) -> (E,)`` return instead ``(zs, Stats, EventResult)``: the
+    integration stops at the first crossing in ``direction`` (see :func:`_run`).
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
-                record=record, checkpoint=checkpoint)
+                record=record, checkpoint=checkpoint, event=event, direction=direction)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from implicit import _checks, _sharding
 from implicit._host import host_check
 from solvers import _runner, _status
-from solvers.ode import _adjoint, _integrate, _tableaus
+from solvers.ode import _adjoint, _events, _integrate, _tableaus
 from solvers.ode._explicit import explicit_stepper
 
 __all__ = ["odeint", "ODEInfo", "METHODS"]
@@ -21,6 +21,7 @@ __all__ = ["odeint", "ODEInfo", "METHODS"]
 METHODS = ("dopri5", "tsit5", "kvaerno5")
 STIFF_METHODS = ("kvaerno5",)
 ADJOINTS = ("discrete", "backsolve", "interpolate")
+EVENT_DIRECTIONS = _events.DIRECTIONS
 DEFAULT_MAX_STEPS = 10_000
 
 
@@ -37,8 +38,17 @@ class ODEInfo(NamedTuple):
       t_final: the time reached.
       status: why it stopped, a code of :mod:`solvers._status` (its name:
         ``info.status_name``, or ``solvers._status.status_name``): ``CONVERGED`` (0: reached
-        ``ts[-1]``), ``MAX_STEPS``, ``STEP_UNDERFLOW``, ``NONFINITE`` (the state or ``f``
-        became NaN or inf) or ``INVALID_INPUT`` (traced ``ts`` not strictly increasing).
+        ``ts[-1]``, or an event), ``MAX_STEPS``, ``STEP_UNDERFLOW``, ``NONFINITE`` (the
+        state, ``f`` or the event function became NaN or inf) or ``INVALID_INPUT`` (traced
+        ``ts`` not strictly increasing).
+      event_time: with ``event=``: the time of the crossing that stopped the integration
+        (differentiable), ``inf`` when no event fired before ``ts[-1]``, NaN when the event
+        function returned NaN or inf (a failure). ``None`` without ``event``.
+      event_state: with ``event=``: the state at ``event_time`` (structure of ``y0``;
+        differentiable), NaN when no event fired. ``None`` without ``event``.
+      event_index: with ``event=``: which event value crossed (its position among the
+        leaves of the event function's output, raveled in order: the leaf index for a
+        pytree of scalars), ``-1`` when none did. ``None`` without ``event``.
     """
 
     converged: Any
@@ -51,6 +61,9 @@ class ODEInfo(NamedTuple):
     num_factorizations: Any
     t_final: Any
     status: Any
+    event_time: Any = None
+    event_state: Any = None
+    event_index: Any = None
 
     @property
     def status_name(self):
@@ -75,6 +88,8 @@ def odeint(
     max_step=None,
     on_failure="raise",
     full_output=False,
+    event=None,
+    event_direction="both",
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -109,6 +124,22 @@ def odeint(
     ``adjoint_window`` steps at a time and interpolates it while the continuous adjoint
     runs backwards (first derivatives only).
 
+    Events: with ``event=g``, the integration stops where ``g(y, t, *args)`` crosses zero
+    (a terminal event). After every accepted step the event values are compared with
+    those at the step's start; at the first step across which one changed sign (in
+    ``event_direction``), the crossing time is located on that step's continuous extension
+    by Chandrupatla's bracketed method to a few ulps (so to the accuracy of the solution,
+    ``rtol``/``atol``), and the rows of ``ys`` for output times past it hold the state
+    there. ``info.event_time``, ``info.event_state`` and ``info.event_index`` say where
+    (``inf``, NaN and -1 when no event fired: an ordinary result). The event time and
+    state are differentiable (first order, any ``adjoint``): by the implicit function
+    theorem on ``g(y(t_e), t_e) = 0``, ``dt_e/dθ = -(g_y·∂y(t_e)/∂θ + g_θ) / (g_y·f + g_t)``,
+    with ``∂y(t_e)/∂θ`` from one more integration, to the event time, and its adjoint
+    (a crossing where ``g`` is tangent, ``g_y·f + g_t = 0``, has no derivative). A
+    component that starts exactly at zero does not count as crossing until it leaves
+    zero and comes back: restarting from an event state, pass ``event_direction`` so that
+    the round-off side of zero does not fire at once.
+
     Args:
       f: ``f(y, t, *args)``, returning a pytree with the structure, shapes and dtypes of
         ``y``.
@@ -134,7 +165,14 @@ def odeint(
         status and the time reached), ``"nan"`` (NaN outputs and gradients) or
         ``"ignore"`` (outputs up to the time reached; later ones are NaN).
       full_output: also return an :class:`ODEInfo` (``converged``, ``num_steps``,
-        ``num_accepted``, ``num_rejected``, ``num_fevals``, ...).
+        ``num_accepted``, ``num_rejected``, ``num_fevals``, ``event_time``, ...).
+      event: ``event(y, t, *args)`` returning a scalar, or a pytree of floating arrays,
+        whose first zero crossing (in any of its values) stops the integration; see
+        above. A NaN or inf event value is a failure (status ``nonfinite``) that follows
+        ``on_failure``.
+      event_direction: which crossings count: ``"both"`` (default), ``"rising"`` (from
+        negative to zero or positive) or ``"falling"`` (from positive to zero or
+        negative); the same for every event value.
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -149,6 +187,14 @@ def odeint(
       >>> grad = jax.grad(lambda k: solvers.odeint(decay, 1.0, ts, k)[-1])(0.5)
       >>> print(round(float(grad), 5))  # d/dk exp(-2k) = -2 exp(-1)
       -0.73576
+
+      An event: ``y = exp(-k t)`` falls to 0.25 at ``t = log(4) / k``.
+
+      >>> ts = jnp.array([0.0, 10.0])
+      >>> ys, info = solvers.odeint(decay, 1.0, ts, 0.5, event=lambda y, t, k: y - 0.25,
+      ...                           full_output=True)
+      >>> print(round(float(info.event_time), 4), round(float(ys[-1]), 4))  # 2 log 4
+      2.7726 0.25
     """
     opts = _runner.options(
         f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
@@ -166,6 +212,9 @@ def odeint(
         adjoint = "discrete"
     _checks.check_choice(adjoint, "adjoint", ADJOINTS)
     _checks.check_max_steps(adjoint_window, "adjoint_window")
+    if event is not None:
+        _checks.check_callable(event, "event")
+    _checks.check_choice(event_direction, "event_direction", EVENT_DIRECTIONS)
     _checks.check_args(args)
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
@@ -190,10 +239,12 @@ def odeint(
         adjoint=adjoint,
         window=int(adjoint_window),
         max_step=float("inf") if max_step is None else float(max_step),
+        event=event,
+        direction=event_direction,
         options=opts,
         solver=solver,
         fn=f,
-        message=_message(solver, opts.max_steps),
+        message=_message(solver, opts.max_steps, event),
     )
 
 
@@ -223,8 +274,8 @@ def _make_stepper(method, max_step=float("inf")):
 
 
 @_runner.jit_solver
-def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options, solver,
-           check):
+def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
+           options, solver, check):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
@@ -259,7 +310,21 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
         max_steps=max_steps,
     )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
-    zs, stats = solve(y0_flat, ts, theta, const, ctl)
+    extra = {}
+    if event is None:
+        zs, stats = solve(y0_flat, ts, theta, const, ctl)
+    else:
+        E, ev_theta, ev_const = _event_values(event, y0, ts, args, unravel, is_float,
+                                              treedef, dtype)
+        event_solve = _events.make_event_solve(
+            _make_stepper(method, max_step), G, E, y0_flat.size, solve, direction=direction
+        )
+        zs, stats, result = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
+        extra = dict(
+            event_time=result.t,
+            event_state=unravel(result.z),
+            event_index=jax.lax.stop_gradient(result.index),
+        )
     stats = jax.tree.map(jax.lax.stop_gradient, stats)
     info = ODEInfo(
         converged=stats.status == _status.CONVERGED,
@@ -270,22 +335,65 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
         num_fevals=stats.num_fevals,
         num_jacobians=stats.num_jacobians,
         num_factorizations=stats.num_factorizations,
-        t_final=stats.t,
+        t_final=stats.t if event is None else jnp.where(
+            jnp.isfinite(extra["event_time"]), jax.lax.stop_gradient(extra["event_time"]),
+            stats.t),
         status=stats.status,
+        **extra,
     )
-    zs = _runner.apply_failure_policy(
-        zs,
+    if event is None:
+        zs = _runner.apply_failure_policy(
+            zs,
+            info,
+            solver=solver,
+            on_failure=on_failure,
+            check=check,
+            max_steps=max_steps,
+            message=_message(solver, max_steps),
+        )
+        return jax.vmap(unravel)(zs), info
+    # The event time and state follow on_failure too (NaN with "nan").
+    zs, t_e, z_e = _runner.apply_failure_policy(
+        (zs, info.event_time, info.event_state),
         info,
         solver=solver,
         on_failure=on_failure,
         check=check,
         max_steps=max_steps,
-        message=_message(solver, max_steps),
+        message=_message(solver, max_steps, event),
     )
-    return jax.vmap(unravel)(zs), info
+    return jax.vmap(unravel)(zs), info._replace(event_time=t_e, event_state=z_e)
 
 
-def _why(status, max_steps, solver, *, backward=False):
+def _event_values(event, y0, ts, args, unravel, is_float, treedef, dtype):
+    """``E(u, s, theta, const, ev_theta, ev_const) -> (E,)``, the raveled event values, and
+    the floating and other values the event function closes over (its own parameters)."""
+    out = _checks.call_shape(event, "event", y0, ts[0], *args)
+    leaves = jax.tree.leaves(out)
+    if not leaves or not all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves):
+        name = getattr(event, "__qualname__", type(event).__name__)
+        raise TypeError(
+            f"event ({name}) must return a floating scalar or a pytree of floating arrays; "
+            f"it returned {out}"
+        )
+    ev_fn, ev_consts = jax.closure_convert(event, y0, ts[0], *args)
+    ev_float = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in ev_consts]
+    ev_theta = tuple(c for c, fl in zip(ev_consts, ev_float) if fl)
+    ev_const = tuple(c for c, fl in zip(ev_consts, ev_float) if not fl)
+
+    def E(u, s, theta, const, ev_theta, ev_const):
+        it_theta, it_const = iter(theta), iter(const)
+        merged = [next(it_theta) if fl else next(it_const) for fl in is_float]
+        args, _ = jax.tree.unflatten(treedef, merged)
+        it_t, it_c = iter(ev_theta), iter(ev_const)
+        consts = [next(it_t) if fl else next(it_c) for fl in ev_float]
+        g = ev_fn(unravel(u), s, *args, *consts)
+        return ravel_pytree(g)[0].astype(dtype)
+
+    return E, ev_theta, ev_const
+
+
+def _why(status, max_steps, solver, *, backward=False, event=False):
     """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
     if status == _integrate.DRIFT:
         return (
@@ -306,6 +414,14 @@ def _why(status, max_steps, solver, *, backward=False):
             why,
             f"the problem may be stiff: try method='kvaerno5', or increase max_steps or "
             f"loosen {tols}",
+        )
+    if status == _status.NONFINITE and event:
+        return (
+            "the state, its derivative or the event function became non-finite (NaN or "
+            "inf): the solution may blow up there, or f or the event function returns NaN "
+            "or inf there",
+            "check f, the event function and the solution near that time (more steps will "
+            "not help)",
         )
     if status == _status.NONFINITE:
         return (
@@ -335,20 +451,27 @@ def _first_failure(converged):
     return first, where
 
 
-def _message(solver, max_steps):
-    """The runner's failure-message hooks for an ODE: its reasons, and the time reached."""
+def _message(solver, max_steps, event=None):
+    """The runner's failure-message hooks for an ODE: its reasons, and the time reached
+    (and, with an event function, whether it was the one that returned NaN or inf)."""
 
     def detail(info, first):
         t = float(np.asarray(info.t_final)[first])
         steps = int(np.asarray(info.num_steps)[first])
         rejected = int(np.asarray(info.num_rejected)[first])
         ratio = float(np.asarray(info.residual)[first])
-        return (
+        text = (
             f"failed at t={t:.6g} after {steps} steps, {rejected} rejected, last error ratio "
             f"{ratio:.3g}"
         )
+        if event is not None and np.isnan(np.asarray(info.event_time)[first]):
+            name = getattr(event, "__qualname__", type(event).__name__)
+            text = (f"the event function {name} returned NaN or inf (a non-finite event "
+                    f"value) at or before t={t:.6g}; {text}")
+        return text
 
-    return {"detail": detail, "explain": lambda code: _why(code, max_steps, solver)}
+    return {"detail": detail,
+            "explain": lambda code: _why(code, max_steps, solver, event=event is not None)}
 
 
 def _report_backward(status, t_fail, *, solver, max_steps):
