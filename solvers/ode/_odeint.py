@@ -18,8 +18,8 @@ from solvers.ode._explicit import explicit_stepper
 
 __all__ = ["odeint", "ODEInfo", "METHODS"]
 
-METHODS = ("dopri5", "tsit5", "kvaerno5")
-STIFF_METHODS = ("kvaerno5",)
+METHODS = ("dopri5", "tsit5", "kvaerno5", "bdf")
+STIFF_METHODS = ("kvaerno5", "bdf")
 ADJOINTS = ("discrete", "backsolve", "interpolate")
 DEFAULT_MAX_STEPS = 10_000
 
@@ -210,6 +210,13 @@ def _ravels_like(out, y0):
 
 
 def _make_stepper(method, max_step=float("inf")):
+    if method == "bdf":
+        from solvers.ode._bdf import bdf_stepper
+
+        def bdf(*args, **kwargs):
+            return bdf_stepper(*args, **kwargs)._replace(max_step=max_step)
+
+        return bdf
     tab = _tableaus.TABLEAUS[method]
     if tab.implicit:
         from solvers.ode._stiff import implicit_stepper as make
@@ -300,7 +307,7 @@ def _why(status, max_steps, solver, *, backward=False):
         why += " (max_steps caps the attempted steps over the whole of ts)"
         if backward:
             return why, f"increase max_steps or loosen {tols}"
-        if "kvaerno5" in solver:
+        if any(f"{m!r}" in solver for m in STIFF_METHODS):
             return why, f"increase max_steps or loosen {tols}"
         return (
             why,
