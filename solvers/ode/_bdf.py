@@ -266,11 +266,14 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         safety = (0.9 * (2 * NEWTON_MAXITER + 1) / (2 * NEWTON_MAXITER + n_iter)).astype(dtype)
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h, safety, dtype)
         fresh_f = fresh.astype(dtype)
-        common = dict(k0=cache.k0, h=h, J=J, lu=lu, piv=piv, c_lu=c_lu, safety=safety)
-        acc = BDFCache(D=D_new, order=order, n_equal=n_eq, fresh=jnp.zeros_like(fresh_f),
+        common = dict(k0=cache.k0, J=J, lu=lu, piv=piv, c_lu=c_lu, safety=safety)
+        acc = BDFCache(D=D_new, h=h, order=order, n_equal=n_eq, fresh=jnp.zeros_like(fresh_f),
                        factor=factor, **common)
-        rej = BDFCache(D=D, order=cache.order, n_equal=n_equal, fresh=fresh_f,
-                       factor=jnp.ones((), dtype), **common)
+        # A rejected step leaves D as it was (spaced at cache.h; the retry rescales it from
+        # there): the discrete adjoint takes the input cache of an accepted step to be the
+        # output of the previous accepted one, whatever was rejected in between.
+        rej = BDFCache(D=cache.D, h=cache.h, order=cache.order, n_equal=cache.n_equal,
+                       fresh=fresh_f, factor=jnp.ones((), dtype), **common)
         ok = conv & jnp.all(jnp.isfinite(y_new))
         return y_new, err, ks, acc, rej, ok, (fevals, njac, nlu)
 
