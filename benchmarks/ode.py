@@ -11,6 +11,10 @@ Two problems, float64 on CPU:
   ``Σ_i y1(t_i) + 1e4 y2(t_i)``, gradient with respect to ``log k``. Reference: SciPy Radau
   (rtol 1e-10, atol 1e-16, exact Jacobian) for the loss; central differences of it (step
   1e-4 in ``log k``, rtol 1e-11) for the gradient.
+- van der Pol ``y1' = y2, y2' = mu (1 - y1²) y2 - y1`` with mu = 1000, ``y0 = (2, 0)``, on
+  [0, 3000] (two relaxation jumps), rtol = atol = 1e-6. Loss ``y1(3000)``, gradient with
+  respect to mu. Reference: SciPy Radau (rtol = atol = 1e-12) for the loss; central
+  differences (step 1 in mu, rtol 1e-11) for the gradient.
 
 Columns: compile s (lower + compile of ``jit(value_and_grad(loss))``; SciPy: none),
 solve ms and grad ms (value and gradient; fastest of >= 20 calls), steps (attempted
@@ -51,6 +55,11 @@ ROB_Y0 = np.array([1.0, 0.0, 0.0])
 ROB_TS = np.concatenate([[0.0], np.logspace(-5, 5, 11)])
 ROB_RTOL, ROB_ATOL = 1e-6, 1e-10
 
+VDP_MU = 1000.0
+VDP_Y0 = np.array([2.0, 0.0])
+VDP_TS = np.array([0.0, 3000.0])
+VDP_RTOL = 1e-6  # rtol = atol
+
 
 # --------------------------------------------------------------------------- problems
 
@@ -63,6 +72,18 @@ def lotka_volterra(y, t, a, b, c, d):
 def robertson(y, t, k1, k2, k3):
     a, b, c = y[0], y[1], y[2]
     return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b])
+
+
+def van_der_pol(y, t, mu):
+    return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+def van_der_pol_np(t, y, mu):
+    return [y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]]
+
+
+def vdp_loss(ys):
+    return ys[-1, 0]
 
 
 def lv_loss(ys):
@@ -282,6 +303,9 @@ def robertson_rows(loss_ref, grad_ref):
     rows = [measure("ours kvaerno5", OURS,
                     *ours(robertson, *args, "kvaerno5", log_params=True, **tol),
                     logk, rob_loss, loss_ref, grad_ref),
+            measure("ours bdf", OURS,
+                    *ours(robertson, *args, "bdf", log_params=True, **tol),
+                    logk, rob_loss, loss_ref, grad_ref),
             measure("ours kvaerno5, adjoint_rtol/atol = tol / 10", OURS,
                     *ours(robertson, *args, "kvaerno5", log_params=True,
                           adjoint_rtol=ROB_RTOL / 10, adjoint_atol=ROB_ATOL / 10, **tol),
@@ -305,6 +329,38 @@ def robertson_rows(loss_ref, grad_ref):
         rows.append(measure_scipy(f"scipy solve_ivp {method}", scipy_solver(
             method, ROB_Y0, ROB_TS, ROB_RTOL, ROB_ATOL, robertson_np, (ROB_K,)),
             loss_np, loss_ref))
+    return rows
+
+
+def van_der_pol_reference():
+    from scipy.integrate import solve_ivp
+
+    def final(mu, rtol):
+        sol = solve_ivp(van_der_pol_np, (VDP_TS[0], VDP_TS[-1]), VDP_Y0, method="Radau",
+                        t_eval=VDP_TS, rtol=rtol, atol=rtol, args=(mu,))
+        return float(sol.y[0, -1])
+
+    mu, d = VDP_MU, 1.0
+    return final(mu, 1e-12), np.array([(final(mu + d, 1e-11) - final(mu - d, 1e-11)) / (2 * d)])
+
+
+def van_der_pol_rows(loss_ref, grad_ref):
+    args = (VDP_Y0, VDP_TS)
+    tol = dict(rtol=VDP_RTOL, atol=VDP_RTOL)
+    mu = np.array([VDP_MU])
+    rows = [measure(f"ours {method}", OURS,
+                    *ours(van_der_pol, *args, method, max_steps=200_000, **tol),
+                    mu, vdp_loss, loss_ref, grad_ref)
+            for method in ("kvaerno5", "bdf")]
+    rows.append(measure("diffrax Kvaerno5 PIDController", "peer",
+                        *diffrax_solver(van_der_pol, *args, "Kvaerno5",
+                                        "RecursiveCheckpointAdjoint", **tol),
+                        mu, vdp_loss, loss_ref, grad_ref))
+    time_rows(rows)
+    for method in ("Radau", "BDF", "LSODA"):
+        rows.append(measure_scipy(f"scipy solve_ivp {method}", scipy_solver(
+            method, VDP_Y0, VDP_TS, VDP_RTOL, VDP_RTOL, van_der_pol_np, (VDP_MU,)),
+            lambda ys: float(ys[-1, 0]), loss_ref))
     return rows
 
 
@@ -427,6 +483,11 @@ def main():
         "SciPy: Python right-hand side, finite-difference Jacobian for the implicit methods.",
     ):
         print(f"- {note}")
+    print("\nvan der Pol reference (SciPy Radau, tight) ...", flush=True)
+    vdp_ref = van_der_pol_reference()
+    vdp_rows = van_der_pol_rows(*vdp_ref)
+    print_table("van der Pol, mu = 1000, to t = 3000: y1(T) and its gradient w.r.t. mu, "
+                "rtol = atol = 1e-6", vdp_rows, columns, ratio_columns=ratios)
     print("\nWork–precision ...", flush=True)
     lv, rob = work_precision(rob_ref)
     path = os.path.join(RESULTS, "ode_work_precision.png")

@@ -85,7 +85,13 @@ def odeint(
     ``|err_i| ≲ atol + rtol·|y_i|``) and pick the first step automatically. The explicit
     pairs hit every output time with their continuous extension, without shortening the
     steps there; ``"kvaerno5"``, whose continuous extension is a cubic Hermite (third
-    order), ends a step on every output time instead.
+    order), ends a step on every output time instead. ``"bdf"`` is the variable-order
+    (1–5), variable-step NDF/BDF of ``scipy.integrate.BDF`` and MATLAB's ``ode15s``
+    (Shampine & Reichelt 1997) for stiff problems: cheap steps (one corrector solve by
+    simplified Newton, the Jacobian and its LU kept across steps), order and step size
+    picked together from the error estimates at orders k-1, k and k+1, the interpolating
+    polynomial as the dense output (no steps cut at the output times); low order, so
+    best at moderate tolerances.
 
     Gradients (reverse mode) with respect to ``y0``, ``ts``, every floating array in
     ``args`` and every traced value ``f`` closes over come from an adjoint rule. The
@@ -115,7 +121,7 @@ def odeint(
       y0: initial state (pytree of arrays; ints are promoted to float).
       ts: strictly increasing 1-D array of output times; ``ts[0]`` is the initial time.
       *args: parameters (pytrees of arrays), differentiated.
-      method: ``"dopri5"`` (default), ``"tsit5"`` or ``"kvaerno5"`` (stiff).
+      method: ``"dopri5"`` (default), ``"tsit5"``, ``"kvaerno5"`` or ``"bdf"`` (stiff).
       rtol, atol: local error tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
         1e-8/1e-10 in float64). Traced values are fine: changing them does not recompile.
       max_steps: cap on the attempted steps over the whole of ``ts`` (not per interval);
