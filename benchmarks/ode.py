@@ -1,6 +1,6 @@
 """ODEs: ``solvers.odeint`` side by side with jax.experimental.ode, diffrax and SciPy.
 
-Two problems, float64 on CPU:
+Problems, float64 on CPU:
 
 - Lotka–Volterra ``x' = αx - βxy, y' = -γy + δxy`` with (α, β, γ, δ) = (1.5, 1, 3, 1),
   ``y0 = (1, 1)``, 50 outputs on [0, 10], rtol = atol = 1e-6. Loss ``sum(ys²)``, gradient
@@ -16,6 +16,10 @@ Two problems, float64 on CPU:
   Loss: the impact time, gradient with respect to (g, κ). Reference: the closed form
   ``t = arccosh(exp(κ h)) / sqrt(g κ)`` and its derivative. diffrax: ``diffrax.Event``
   with ``optimistix.Newton`` (rtol = atol = 1e-10) locating the crossing.
+- van der Pol ``y1' = y2, y2' = mu (1 - y1²) y2 - y1`` with mu = 1000, ``y0 = (2, 0)``, on
+  [0, 3000] (two relaxation jumps), rtol = atol = 1e-6. Loss ``y1(3000)``, gradient with
+  respect to mu. Reference: SciPy Radau (rtol = atol = 1e-12) for the loss; central
+  differences (step 1 in mu, rtol 1e-11) for the gradient.
 
 Columns: compile s (lower + compile of ``jit(value_and_grad(loss))``; SciPy: none),
 solve ms and grad ms (value and gradient; fastest of >= 20 calls), steps (attempted
@@ -60,6 +64,11 @@ EV_H = 10.0
 EV_PARAMS = np.array([9.81, 0.05])  # g, κ
 EV_RTOL = EV_ATOL = 1e-8
 
+VDP_MU = 1000.0
+VDP_Y0 = np.array([2.0, 0.0])
+VDP_TS = np.array([0.0, 3000.0])
+VDP_RTOL = 1e-6  # rtol = atol
+
 
 # --------------------------------------------------------------------------- problems
 
@@ -86,6 +95,17 @@ def impact_time_exact(p):
     """The closed form: ``y = h - log(cosh(t sqrt(gκ))) / κ`` is zero there."""
     g, kappa = p
     return jnp.arccosh(jnp.exp(kappa * EV_H)) / jnp.sqrt(g * kappa)
+
+def van_der_pol(y, t, mu):
+    return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+def van_der_pol_np(t, y, mu):
+    return [y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]]
+
+
+def vdp_loss(ys):
+    return ys[-1, 0]
 
 
 def lv_loss(ys):
@@ -305,6 +325,9 @@ def robertson_rows(loss_ref, grad_ref):
     rows = [measure("ours kvaerno5", OURS,
                     *ours(robertson, *args, "kvaerno5", log_params=True, **tol),
                     logk, rob_loss, loss_ref, grad_ref),
+            measure("ours bdf", OURS,
+                    *ours(robertson, *args, "bdf", log_params=True, **tol),
+                    logk, rob_loss, loss_ref, grad_ref),
             measure("ours kvaerno5, adjoint_rtol/atol = tol / 10", OURS,
                     *ours(robertson, *args, "kvaerno5", log_params=True,
                           adjoint_rtol=ROB_RTOL / 10, adjoint_atol=ROB_ATOL / 10, **tol),
@@ -328,6 +351,38 @@ def robertson_rows(loss_ref, grad_ref):
         rows.append(measure_scipy(f"scipy solve_ivp {method}", scipy_solver(
             method, ROB_Y0, ROB_TS, ROB_RTOL, ROB_ATOL, robertson_np, (ROB_K,)),
             loss_np, loss_ref))
+    return rows
+
+
+def van_der_pol_reference():
+    from scipy.integrate import solve_ivp
+
+    def final(mu, rtol):
+        sol = solve_ivp(van_der_pol_np, (VDP_TS[0], VDP_TS[-1]), VDP_Y0, method="Radau",
+                        t_eval=VDP_TS, rtol=rtol, atol=rtol, args=(mu,))
+        return float(sol.y[0, -1])
+
+    mu, d = VDP_MU, 1.0
+    return final(mu, 1e-12), np.array([(final(mu + d, 1e-11) - final(mu - d, 1e-11)) / (2 * d)])
+
+
+def van_der_pol_rows(loss_ref, grad_ref):
+    args = (VDP_Y0, VDP_TS)
+    tol = dict(rtol=VDP_RTOL, atol=VDP_RTOL)
+    mu = np.array([VDP_MU])
+    rows = [measure(f"ours {method}", OURS,
+                    *ours(van_der_pol, *args, method, max_steps=200_000, **tol),
+                    mu, vdp_loss, loss_ref, grad_ref)
+            for method in ("kvaerno5", "bdf")]
+    rows.append(measure("diffrax Kvaerno5 PIDController", "peer",
+                        *diffrax_solver(van_der_pol, *args, "Kvaerno5",
+                                        "RecursiveCheckpointAdjoint", **tol),
+                        mu, vdp_loss, loss_ref, grad_ref))
+    time_rows(rows)
+    for method in ("Radau", "BDF", "LSODA"):
+        rows.append(measure_scipy(f"scipy solve_ivp {method}", scipy_solver(
+            method, VDP_Y0, VDP_TS, VDP_RTOL, VDP_RTOL, van_der_pol_np, (VDP_MU,)),
+            lambda ys: float(ys[-1, 0]), loss_ref))
     return rows
 
 
@@ -521,6 +576,11 @@ def main():
         "SciPy: Python right-hand side, finite-difference Jacobian for the implicit methods.",
     ):
         print(f"- {note}")
+    print("\nvan der Pol reference (SciPy Radau, tight) ...", flush=True)
+    vdp_ref = van_der_pol_reference()
+    vdp_rows = van_der_pol_rows(*vdp_ref)
+    print_table("van der Pol, mu = 1000, to t = 3000: y1(T) and its gradient w.r.t. mu, "
+                "rtol = atol = 1e-6", vdp_rows, columns, ratio_columns=ratios)
     print("\nWork–precision ...", flush=True)
     lv, rob = work_precision(rob_ref)
     path = os.path.join(RESULTS, "ode_work_precision.png")

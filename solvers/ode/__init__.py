@@ -9,7 +9,11 @@ Methods
   ``"kvaerno5"``: Kværnø's L-stable, stiffly accurate ESDIRK 5(4) for stiff problems;
   its stage equations are solved by :func:`solvers.newton` (simplified Newton: one
   Jacobian per step, shared by all six implicit stages), and a stage solve that does not
-  converge rejects the step instead of raising. All three use an embedded error estimate
+  converge rejects the step instead of raising.
+  ``"bdf"``: variable-order (1–5), variable-step NDF/BDF (SciPy's ``BDF``, MATLAB's
+  ``ode15s``) for stiff problems; its own order and step-size selection, the Jacobian
+  and LU kept across steps, the interpolating polynomial as dense output.
+  The Runge–Kutta methods use an embedded error estimate
   in the weighted RMS norm (a step is accepted when
   ``sqrt(mean((err / (atol + rtol·|y|))²)) <= 1``), a PI step-size controller, Hairer's
   automatic first step, and the method's own continuous extension to fill the output

@@ -86,6 +86,10 @@ class Stepper(NamedTuple):
     lands: bool = False
     # The largest step size (``odeint``'s ``max_step``, jax odeint's ``hmax``).
     max_step: float = float("inf")
+    # ``control(ratio, accept, cache) -> factor``: the next step size over this one, from
+    # the error ratio and the cache after the step (a multistep method picks its order and
+    # step size together: bdf). None: the PI controller (beta1, beta2).
+    control: Any = None
 
 
 class Record(NamedTuple):
@@ -293,9 +297,14 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
     accept = ok & finite & (ratio <= 1)
     s1 = jnp.where(last, clip_to, s + h)
-    factor = _control.pi_factor(
-        ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
-    )
+    if stepper.control is None:
+        factor = _control.pi_factor(
+            ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
+        )
+    else:
+        factor = stepper.control(
+            ratio, accept, jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
+        )
     factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
     h_next = h * factor
     # A step shortened to end on a time says little about the next one.

@@ -18,8 +18,8 @@ from solvers.ode._explicit import explicit_stepper
 
 __all__ = ["odeint", "ODEInfo", "METHODS"]
 
-METHODS = ("dopri5", "tsit5", "kvaerno5")
-STIFF_METHODS = ("kvaerno5",)
+METHODS = ("dopri5", "tsit5", "kvaerno5", "bdf")
+STIFF_METHODS = ("kvaerno5", "bdf")
 ADJOINTS = ("discrete", "backsolve", "interpolate")
 EVENT_DIRECTIONS = _events.DIRECTIONS
 DEFAULT_MAX_STEPS = 10_000
@@ -100,7 +100,13 @@ def odeint(
     ``|err_i| ≲ atol + rtol·|y_i|``) and pick the first step automatically. The explicit
     pairs hit every output time with their continuous extension, without shortening the
     steps there; ``"kvaerno5"``, whose continuous extension is a cubic Hermite (third
-    order), ends a step on every output time instead.
+    order), ends a step on every output time instead. ``"bdf"`` is the variable-order
+    (1–5), variable-step NDF/BDF of ``scipy.integrate.BDF`` and MATLAB's ``ode15s``
+    (Shampine & Reichelt 1997) for stiff problems: cheap steps (one corrector solve by
+    simplified Newton, the Jacobian and its LU kept across steps), order and step size
+    picked together from the error estimates at orders k-1, k and k+1, the interpolating
+    polynomial as the dense output (no steps cut at the output times); low order, so
+    best at moderate tolerances.
 
     Gradients (reverse mode) with respect to ``y0``, ``ts``, every floating array in
     ``args`` and every traced value ``f`` closes over come from an adjoint rule. The
@@ -146,7 +152,7 @@ def odeint(
       y0: initial state (pytree of arrays; ints are promoted to float).
       ts: strictly increasing 1-D array of output times; ``ts[0]`` is the initial time.
       *args: parameters (pytrees of arrays), differentiated.
-      method: ``"dopri5"`` (default), ``"tsit5"`` or ``"kvaerno5"`` (stiff).
+      method: ``"dopri5"`` (default), ``"tsit5"``, ``"kvaerno5"`` or ``"bdf"`` (stiff).
       rtol, atol: local error tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
         1e-8/1e-10 in float64). Traced values are fine: changing them does not recompile.
       max_steps: cap on the attempted steps over the whole of ``ts`` (not per interval);
@@ -261,6 +267,13 @@ def _ravels_like(out, y0):
 
 
 def _make_stepper(method, max_step=float("inf")):
+    if method == "bdf":
+        from solvers.ode._bdf import bdf_stepper
+
+        def bdf(*args, **kwargs):
+            return bdf_stepper(*args, **kwargs)._replace(max_step=max_step)
+
+        return bdf
     tab = _tableaus.TABLEAUS[method]
     if tab.implicit:
         from solvers.ode._stiff import implicit_stepper as make
@@ -408,7 +421,7 @@ def _why(status, max_steps, solver, *, backward=False, event=False):
         why += " (max_steps caps the attempted steps over the whole of ts)"
         if backward:
             return why, f"increase max_steps or loosen {tols}"
-        if "kvaerno5" in solver:
+        if any(f"{m!r}" in solver for m in STIFF_METHODS):
             return why, f"increase max_steps or loosen {tols}"
         return (
             why,

@@ -1,0 +1,274 @@
+"""odeint(method="bdf"): variable-order NDF/BDF (issue 15).
+
+Expected values come from closed forms (a linear stiff system through its
+eigendecomposition), SciPy's Radau at tight tolerances, and float64 central finite
+differences of SciPy Radau solves; never from odeint itself.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+from scipy.integrate import solve_ivp
+
+import solvers
+from solvers.ode import odeint
+
+# --- problems --------------------------------------------------------------------------
+
+ROB_K = (0.04, 3e7, 1e4)
+ROB_TS = np.concatenate([[0.0], np.logspace(-5, 5, 11)])
+
+
+def robertson(y, t, k1, k2, k3):
+    a, b, c = y[0], y[1], y[2]
+    return jnp.stack([-k1 * a + k3 * b * c, k1 * a - k2 * b * b - k3 * b * c, k2 * b * b])
+
+
+def robertson_np(t, y, k):
+    a, b, c = y
+    return [-k[0] * a + k[2] * b * c, k[0] * a - k[1] * b * b - k[2] * b * c, k[1] * b * b]
+
+
+def robertson_jac_np(t, y, k):
+    a, b, c = y
+    return [[-k[0], k[2] * c, k[2] * b], [k[0], -2 * k[1] * b - k[2] * c, -k[2] * b],
+            [0, 2 * k[1] * b, 0]]
+
+
+def robertson_radau(k, ts, rtol):
+    sol = solve_ivp(robertson_np, (ts[0], ts[-1]), [1.0, 0.0, 0.0], method="Radau",
+                    t_eval=ts, rtol=rtol, atol=1e-18, jac=robertson_jac_np, args=(k,))
+    assert sol.success
+    return sol.y.T
+
+
+def linear(y, t, A):
+    return A @ y
+
+
+def linear_system(seed, lams):
+    rng = np.random.default_rng(seed)
+    n = len(lams)
+    V = np.eye(n) + 0.4 * rng.normal(size=(n, n)) / np.sqrt(n)
+    A = V @ np.diag(lams) @ np.linalg.inv(V)
+    return A, V, rng.normal(size=n), rng.normal(size=n)
+
+
+def linear_gradient_oracle(V, lams, y0, c, T):
+    """``(dL/dA, dL/dy0)`` of ``L = c · y(T)``, ``y' = Ay``, from the eigendecomposition."""
+    lams = np.asarray(lams, float)
+    Vinv = np.linalg.inv(V)
+    p, q = V.T @ c, Vinv @ y0
+    e = np.exp(lams * T)
+    diff = lams[:, None] - lams[None, :]
+    same = np.abs(diff) < 1e-12
+    phi = np.where(same, T * e[:, None], (e[:, None] - e[None, :]) / np.where(same, 1, diff))
+    return Vinv.T @ (phi * np.outer(p, q)) @ V.T, Vinv.T @ (e * p)
+
+
+def van_der_pol(y, t, mu):
+    return jnp.stack([y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]])
+
+
+def relerr(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+# --- forward ---------------------------------------------------------------------------
+
+
+def test_robertson_matches_radau(x64):
+    rtol, atol = 1e-8, 1e-12
+    ys, info = odeint(robertson, jnp.array([1.0, 0.0, 0.0]), ROB_TS, *ROB_K, method="bdf",
+                      rtol=rtol, atol=atol, full_output=True)
+    ref = robertson_radau(ROB_K, ROB_TS, 1e-12)
+    assert info.status_name == "converged"
+    # Global error: a few times the local tolerance (SciPy's BDF: the same measure 12).
+    err = np.abs(np.asarray(ys) - ref) / (atol + rtol * np.abs(ref))
+    assert err.max() < 30, err.max()
+    np.testing.assert_allclose(np.sum(np.asarray(ys), axis=1), 1.0, rtol=1e-12)
+    # Jacobians and LU factorisations are reused across steps.
+    assert 0 < int(info.num_jacobians) < int(info.num_accepted) // 10
+    assert 0 < int(info.num_factorizations) < int(info.num_accepted) // 2
+
+
+def test_robertson_same_algorithm_as_scipy_bdf(x64):
+    # SciPy's BDF (with the exact Jacobian) is the algorithm implemented: the work counts
+    # agree closely (measured: 900 against 895 evaluations, 9 and 9 Jacobians, 68 and 68
+    # LU factorisations at rtol 1e-6).
+    rtol, atol = 1e-6, 1e-10
+    _, info = odeint(robertson, jnp.array([1.0, 0.0, 0.0]), ROB_TS, *ROB_K, method="bdf",
+                     rtol=rtol, atol=atol, full_output=True)
+    sp = solve_ivp(robertson_np, (0.0, ROB_TS[-1]), [1.0, 0.0, 0.0], method="BDF",
+                   t_eval=ROB_TS, rtol=rtol, atol=atol, jac=robertson_jac_np, args=(ROB_K,))
+    assert abs(int(info.num_fevals) - sp.nfev) <= 0.1 * sp.nfev, (int(info.num_fevals), sp.nfev)
+    assert abs(int(info.num_factorizations) - sp.nlu) <= 0.1 * sp.nlu
+    assert abs(int(info.num_jacobians) - (sp.njev - 1)) <= 2  # SciPy counts the initial one
+
+
+def test_linear_stiff_closed_form_dense_output(x64):
+    # Eigenvalues -1 and -1000; 40 output times, most inside steps (the interpolating
+    # polynomial through D is the dense output).
+    A, _, y0, _ = linear_system(0, [-1.0, -1000.0])
+    ts = np.linspace(0.0, 2.0, 40)
+    rtol = atol = 1e-9
+    ys = odeint(linear, jnp.asarray(y0), ts, jnp.asarray(A), method="bdf", rtol=rtol,
+                atol=atol)
+    ref = np.stack([scipy.linalg.expm(A * t) @ y0 for t in ts])
+    np.testing.assert_allclose(np.asarray(ys), ref, rtol=0, atol=50 * (atol + rtol))
+
+
+def test_jit_and_vmap_over_y0(x64):
+    A, _, _, _ = linear_system(1, [-1.0, -1000.0])
+    y0s = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.3, -2.0]])
+    ts = jnp.array([0.0, 0.5, 1.0])
+
+    @jax.jit
+    def solve(y0):
+        return odeint(linear, y0, ts, jnp.asarray(A), method="bdf", rtol=1e-9, atol=1e-9)
+
+    batched = jax.vmap(solve)(y0s)
+    for i in range(3):
+        ref = np.stack([scipy.linalg.expm(A * float(t)) @ np.asarray(y0s[i]) for t in ts])
+        np.testing.assert_allclose(np.asarray(batched[i]), ref, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(solve(y0s[i])),
+                                   atol=1e-12)
+
+
+@pytest.mark.slow
+def test_van_der_pol_stiff_matches_radau(x64):
+    # mu = 1000 over [0, 3000]: two relaxation jumps.
+    ts = np.linspace(0.0, 3000.0, 7)
+    rtol = atol = 1e-8
+    ys = odeint(van_der_pol, jnp.array([2.0, 0.0]), ts, 1000.0, method="bdf", rtol=rtol,
+                atol=atol, max_steps=100_000)
+    ref = solve_ivp(lambda t, y: [y[1], 1000.0 * (1 - y[0] ** 2) * y[1] - y[0]],
+                    (0.0, 3000.0), [2.0, 0.0], method="Radau", t_eval=ts, rtol=1e-12,
+                    atol=1e-12)
+    np.testing.assert_allclose(np.asarray(ys)[:, 0], ref.y[0], atol=1e-5)
+
+
+# --- gradients -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adjoint", ["discrete", "interpolate"])
+def test_linear_stiff_gradient_closed_form(x64, adjoint):
+    lams = [-1.0, -1000.0]
+    A, V, y0, c = linear_system(3, lams)
+    T = 1.0
+    gA_ref, gy0_ref = linear_gradient_oracle(V, lams, y0, c, T)
+    rtol = 1e-8
+
+    def loss(A, y0):
+        ys = odeint(linear, y0, jnp.array([0.0, 0.3, T]), A, method="bdf", rtol=rtol,
+                    atol=1e-10, adjoint=adjoint)
+        return jnp.dot(jnp.asarray(c), ys[-1])
+
+    gA, gy0 = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(A), jnp.asarray(y0))
+    assert relerr(gA, gA_ref) < 100 * rtol, relerr(gA, gA_ref)
+    assert relerr(gy0, gy0_ref) < 100 * rtol, relerr(gy0, gy0_ref)
+
+
+def test_backsolve_adjoint_non_stiff(x64):
+    # The backward system carries the parameter cotangents as quadratures. (Mild
+    # eigenvalues: integrating the state backwards amplifies its error by e^{|λ|T}.)
+    lams = [-0.2, -0.5]
+    A, V, y0, c = linear_system(4, lams)
+    gA_ref, gy0_ref = linear_gradient_oracle(V, lams, y0, c, 1.0)
+
+    def loss(A, y0):
+        ys = odeint(linear, y0, jnp.array([0.0, 0.5, 1.0]), A, method="bdf", rtol=1e-9,
+                    atol=1e-10, adjoint="backsolve")
+        return jnp.dot(jnp.asarray(c), ys[-1])
+
+    gA, gy0 = jax.grad(loss, argnums=(0, 1))(jnp.asarray(A), jnp.asarray(y0))
+    assert relerr(gA, gA_ref) < 1e-6 and relerr(gy0, gy0_ref) < 1e-6
+
+
+@pytest.mark.slow
+def test_discrete_gradient_does_not_depend_on_window(x64):
+    A, _, y0, c = linear_system(5, [-1.0, -1000.0])
+
+    def grad(window):
+        def loss(A):
+            ys = odeint(linear, jnp.asarray(y0), jnp.array([0.0, 0.4, 1.0]), A, method="bdf",
+                        rtol=1e-5, atol=1e-7, adjoint_window=window)
+            return jnp.dot(jnp.asarray(c), ys[-1] + ys[1])
+
+        return np.asarray(jax.grad(loss)(jnp.asarray(A)))
+
+    g = grad(4096)
+    for window in (3,):
+        np.testing.assert_allclose(grad(window), g, rtol=1e-12, atol=1e-14)
+
+
+def test_robertson_gradient_matches_finite_differences(x64):
+    # d/d log k of Σ_i y1(t_i) + 1e4 y2(t_i) (benchmarks/ode.py's loss); reference: central
+    # differences (step 1e-4 in log k) of SciPy Radau solves at rtol 1e-11.
+    logk = np.log(np.array(ROB_K))
+
+    def ref_loss(lk):
+        ys = robertson_radau(np.exp(lk), ROB_TS, 1e-11)
+        return float(np.sum(ys[:, 0] + 1e4 * ys[:, 1]))
+
+    fd = np.array([(ref_loss(logk + 1e-4 * e) - ref_loss(logk - 1e-4 * e)) / 2e-4
+                   for e in np.eye(3)])
+    rtol = 1e-8
+
+    def loss(lk):
+        ys = odeint(robertson, jnp.array([1.0, 0.0, 0.0]), ROB_TS, *jnp.exp(lk), method="bdf",
+                    rtol=rtol, atol=1e-12)
+        return jnp.sum(ys[:, 0] + 1e4 * ys[:, 1])
+
+    g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(logk)))
+    # Measured: 2.1e-7 (the discrete adjoint through accepted steps).
+    assert relerr(g, fd) < 100 * rtol, (g, fd)
+
+
+# --- failures --------------------------------------------------------------------------
+
+
+def test_max_steps_fails_loudly(x64):
+    with pytest.raises(solvers.ConvergenceError, match=r"max_steps=50.*failed at t=") as e:
+        jax.block_until_ready(odeint(robertson, jnp.array([1.0, 0.0, 0.0]), ROB_TS, *ROB_K,
+                                     method="bdf", max_steps=50))
+    assert "try method='kvaerno5'" not in str(e.value)  # already a stiff method
+    ys, info = odeint(robertson, jnp.array([1.0, 0.0, 0.0]), ROB_TS, *ROB_K, method="bdf",
+                      max_steps=50, on_failure="nan", full_output=True)
+    assert info.status_name == "max_steps" and int(info.num_steps) == 50
+    assert np.all(np.isnan(np.asarray(ys)[1:]))
+
+
+def test_nonfinite_fails_loudly(x64):
+    # y' = y², y(0) = 1 blows up at t = 1.
+    # (The steps shrink towards the singularity until one of the budget, the step size or
+    # the floating range runs out: measured, max_steps at t = 1 - 2e-7.)
+    ys, info = odeint(lambda y, t: y**2, jnp.array([1.0]), jnp.array([0.0, 2.0]),
+                      method="bdf", on_failure="nan", max_steps=3000, full_output=True)
+    assert info.status_name in ("nonfinite", "step_underflow", "max_steps"), info.status_name
+    assert float(info.t_final) < 1.0 + 1e-3
+    assert np.isnan(np.asarray(ys)[-1]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="open (issue 15): at rtol 1e-6 bdf's gradient is -0.0758 (discrete) "
+                   "or -0.00469 (interpolate) against -0.00353; at rtol 1e-8 -0.00243 and "
+                   "-0.00345. The step sizes are held fixed (as for kvaerno5, docs/ode.md)",
+                   strict=False)
+def test_van_der_pol_gradient_at_rtol_1e6(x64):
+    def final(mu, rtol):
+        ys = odeint(van_der_pol, jnp.array([2.0, 0.0]), jnp.array([0.0, 3000.0]), mu,
+                    method="bdf", rtol=rtol, atol=rtol, max_steps=200_000)
+        return ys[-1, 0]
+
+    g = float(jax.jit(jax.grad(final))(1000.0, 1e-6))
+
+    def radau(mu):
+        sol = solve_ivp(lambda t, y: [y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]],
+                        (0.0, 3000.0), [2.0, 0.0], method="Radau", rtol=1e-11, atol=1e-11)
+        return sol.y[0, -1]
+
+    fd = (radau(1001.0) - radau(999.0)) / 2.0  # about -0.00353
+    assert abs(g - fd) <= 1e-2 * abs(fd), (g, fd)
