@@ -61,23 +61,21 @@ def _unflat(flat, like):
     return jax.tree.unflatten(treedef, out)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _first_order_only(out, *dependencies):
     return out
 
 
-def _first_order_only_fwd(out, *dependencies):
-    return out, None
-
-
-def _first_order_only_bwd(_, g):
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    # Reached by any derivative of a backward pass: reverse (grad of grad) linearises
+    # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
     raise NotImplementedError(
         "solvers.odeint: the discrete adjoint (the default) and the interpolating adjoint "
-        "give first derivatives only; for higher derivatives pass adjoint='backsolve'"
+        "give first derivatives only; for higher derivatives pass adjoint='forward' "
+        "(forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp and grad of grad) or "
+        "adjoint='backsolve' (reverse mode: grad of grad)"
     )
-
-
-_first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64,
