@@ -55,7 +55,7 @@ def _join(a, b):
     return jax.tree.map(lambda x, y: jnp.concatenate([x, jnp.ravel(y)]), a, b)
 
 
-def make_solve(stepper_of, G, G_ctrl, n_ctrl):
+def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise"):
     """A ``jax.custom_jvp`` ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``stepper_of(theta, const, rtol, atol, order)`` builds the method's
@@ -65,7 +65,8 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl):
     const)`` is the derivative of the whole state, ``G_ctrl(u, s, theta, const)`` that of
     the first ``n_ctrl`` (controlled) components from those components alone (the first
     step's heuristic). ``ctl = (rtol, atol, _, _, h0, max_steps)``; its tangents (and
-    ``const``'s) are ignored.
+    ``const``'s) are ignored. ``on_failure="nan"``: the tangents of a failed integration
+    are NaN too (as the reverse adjoints' gradients are).
     """
 
     @jax.custom_jvp
@@ -110,7 +111,7 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl):
         # The directions travel as an argument (in ``const``), never closed over: the
         # augmented solve is a custom_jvp traced on its own.
         aug_stepper_of, G_aug, G_ctrl_aug = _augment(stepper_of, G, G_ctrl, N)
-        aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl)
+        aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl, on_failure=on_failure)
         Zs, stats = aug_solve(
             jnp.concatenate([z0, S0.ravel()]), ts, theta, (const, theta_dirs), ctl
         )
@@ -132,6 +133,8 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl):
             dzs = dzs + f * dts[:, None]
             dzs = dzs - jnp.einsum("tdn,d->tn", S[:, :N], f[0] * dts[0])
         dzs = dzs.at[0].set(parts[0] if use_z0 else jnp.zeros((N,), dtype))
+        if on_failure == "nan":
+            dzs = jnp.where(stats.status == _integrate.NOT_FAILED, dzs, jnp.nan)
         return (zs, stats), (dzs, jax.tree.map(_zero_tangent, stats))
 
     solve.defjvp(solve_jvp, symbolic_zeros=True)

@@ -107,7 +107,14 @@ def odeint(
     ``y0``) by more than 100x the adjoint tolerances it fails by ``on_failure`` (status
     ``drift``). ``adjoint="interpolate"`` recomputes the forward solution
     ``adjoint_window`` steps at a time and interpolates it while the continuous adjoint
-    runs backwards (first derivatives only).
+    runs backwards (first derivatives only). ``adjoint="forward"`` computes forward
+    sensitivities instead: the derivatives of the state with respect to the inputs that
+    are differentiated are integrated alongside it with the same steps (step sizes held
+    fixed: the same derivative of the computed outputs as ``"discrete"``), so ``jax.jvp``,
+    ``jax.jacfwd``, ``jax.grad`` and ``jax.hessian`` all work, at any order; the cost
+    grows with the number of scalars differentiated (``len(y0)`` plus the parameters'
+    sizes, each order multiplying the state by that plus one): for small systems and few
+    parameters.
 
     Args:
       f: ``f(y, t, *args)``, returning a pytree with the structure, shapes and dtypes of
@@ -120,7 +127,9 @@ def odeint(
         1e-8/1e-10 in float64). Traced values are fine: changing them does not recompile.
       max_steps: cap on the attempted steps over the whole of ``ts`` (not per interval);
         the backward pass gets the same cap.
-      adjoint: ``"discrete"`` (default), ``"backsolve"`` or ``"interpolate"``; see above.
+      adjoint: ``"discrete"`` (default), ``"backsolve"``, ``"interpolate"`` (reverse mode)
+        or ``"forward"`` (forward sensitivities: forward and reverse mode, any order); see
+        above.
       adjoint_rtol, adjoint_atol: tolerances of the backward integration of the
         continuous adjoints (``"backsolve"``, ``"interpolate"``).
       adjoint_window: accepted steps between the discrete adjoint's checkpoints, and
@@ -149,6 +158,9 @@ def odeint(
       >>> grad = jax.grad(lambda k: solvers.odeint(decay, 1.0, ts, k)[-1])(0.5)
       >>> print(round(float(grad), 5))  # d/dk exp(-2k) = -2 exp(-1)
       -0.73576
+      >>> final = lambda k: solvers.odeint(decay, 1.0, ts, k, adjoint="forward")[-1]
+      >>> print(round(float(jax.jacfwd(final)(0.5)), 5), round(float(jax.hessian(final)(0.5)), 4))
+      -0.73576 1.4715
     """
     opts = _runner.options(
         f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
@@ -265,7 +277,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
             extra = {"derivative_order": max(order, 1)} if stiff else {}
             return make(lambda u, s: G(u, s, theta, const), n, rtol=rtol, atol=atol, **extra)
 
-        solve = _forward.make_solve(stepper_of, G, G, n)
+        solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure)
     else:
         solve = _adjoint.make_solve(
             _make_stepper(method, max_step),
@@ -292,15 +304,20 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
         t_final=stats.t,
         status=stats.status,
     )
-    zs = _runner.apply_failure_policy(
-        zs,
-        info,
-        solver=solver,
-        on_failure=on_failure,
-        check=check,
-        max_steps=max_steps,
-        message=_message(solver, max_steps),
-    )
+    if adjoint == "forward" and on_failure == "nan":
+        # NaN values and NaN tangents (the policy's `where` would give the failed outputs
+        # the zero tangent of its NaN constant; the rule made the tangents of a failure NaN).
+        zs = zs + jnp.where(info.converged, 0.0, jnp.nan).astype(dtype)
+    else:
+        zs = _runner.apply_failure_policy(
+            zs,
+            info,
+            solver=solver,
+            on_failure=on_failure,
+            check=check,
+            max_steps=max_steps,
+            message=_message(solver, max_steps),
+        )
     return jax.vmap(unravel)(zs), info
 
 
