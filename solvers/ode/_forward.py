@@ -55,7 +55,7 @@ def _join(a, b):
     return jax.tree.map(lambda x, y: jnp.concatenate([x, jnp.ravel(y)]), a, b)
 
 
-def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise"):
+def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=None):
     """A ``jax.custom_jvp`` ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``stepper_of(theta, const, rtol, atol, order)`` builds the method's
@@ -75,7 +75,7 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise"):
         stepper = stepper_of(theta, const, rtol, atol, 0)
         return _integrate.integrate(
             stepper, lambda u, s: G_ctrl(u, s, theta, const), z0, ts, rtol, atol, h0, budget,
-            n_ctrl,
+            n_ctrl, progress=progress,
         )
 
     def solve_jvp(primals, tangents):
@@ -111,7 +111,8 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise"):
         # The directions travel as an argument (in ``const``), never closed over: the
         # augmented solve is a custom_jvp traced on its own.
         aug_stepper_of, G_aug, G_ctrl_aug = _augment(stepper_of, G, G_ctrl, N)
-        aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl, on_failure=on_failure)
+        aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl, on_failure=on_failure,
+                               progress=progress)
         Zs, stats = aug_solve(
             jnp.concatenate([z0, S0.ravel()]), ts, theta, (const, theta_dirs), ctl
         )

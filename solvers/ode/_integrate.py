@@ -261,7 +261,7 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None):
+         checkpoint=None, progress=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -271,6 +271,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     ``jump(j, z)`` then runs). The step loop itself carries no output logic, and stops
     after ``budget`` attempted steps whatever the input. Output times that are not finite
     and strictly increasing (traced ``ts``) skip the integration: status ``INVALID_INPUT``.
+    ``progress(t, accepted, t0, t_end)``, if given, runs on the host after every attempted
+    step (``jax.debug.callback``; nothing is traced without it).
     """
     dtype = z0.dtype
     T = ts.shape[0]
@@ -345,7 +347,11 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         def body(c):
             ctrl, z, cache, last_step, rec, ck = c
             ctrl = Controller.unpack(ctrl)
+            # Under vmap the body also runs for the elements already done: not a step.
+            active = (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
+            if progress is not None:
+                jax.debug.callback(progress, ctrl.s, accept & active, t0, t_end)
             if checkpoint:
                 ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
@@ -429,7 +435,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None):
+              checkpoint=None, progress=None):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
@@ -441,10 +447,10 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     cache)`` after ``c·spacing`` accepted steps (``C`` slots, ``C`` even; ``bufs[0]`` the
     initial one; ``spacing`` starts at ``W`` and doubles whenever the slots are full),
     from which :func:`_attempt` replays the following steps exactly (the discrete
-    adjoint).
+    adjoint). ``progress``: see :func:`_run`.
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
-                record=record, checkpoint=checkpoint)
+                record=record, checkpoint=checkpoint, progress=progress)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

@@ -75,6 +75,7 @@ def odeint(
     max_step=None,
     on_failure="raise",
     full_output=False,
+    progress=None,
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -144,6 +145,11 @@ def odeint(
         ``"ignore"`` (outputs up to the time reached; later ones are NaN).
       full_output: also return an :class:`ODEInfo` (``converged``, ``num_steps``,
         ``num_accepted``, ``num_rejected``, ``num_fevals``, ...).
+      progress: ``True`` prints the time reached after every accepted step (one line,
+        rewritten); a callable ``progress(t)`` receives it instead (a Python float; under
+        ``vmap``, once per batch element). Eager and under ``jit`` alike (a
+        ``jax.debug.callback`` in the step loop of the forward integration; the backward
+        passes report nothing). ``None`` (default): nothing is traced.
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -178,6 +184,10 @@ def odeint(
         adjoint = "discrete"
     _checks.check_choice(adjoint, "adjoint", ADJOINTS)
     _checks.check_max_steps(adjoint_window, "adjoint_window")
+    if progress is not None and progress is not False and progress is not True:
+        _checks.check_callable(progress, "progress")
+    if progress is False:
+        progress = None
     _checks.check_args(args)
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
@@ -201,6 +211,7 @@ def odeint(
         method=method,
         adjoint=adjoint,
         window=int(adjoint_window),
+        progress=progress,
         max_step=float("inf") if max_step is None else float(max_step),
         options=opts,
         solver=solver,
@@ -241,7 +252,7 @@ def _make_stepper(method, max_step=float("inf")):
 
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options, solver,
-           check):
+           check, progress=None):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
@@ -265,6 +276,10 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
         return ravel_pytree(dy)[0].astype(dtype)
 
     report = functools.partial(_report_backward, solver=solver, max_steps=max_steps)
+    # (built here, not in odeint: the static `progress` is then the user's own object,
+    # and repeated calls reuse the compiled solver)
+    if progress is not None:
+        progress = functools.partial(_notify, None if progress is True else progress)
     if adjoint == "forward":
         make = _make_stepper(method, max_step)
         n = y0_flat.size
@@ -277,7 +292,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
             extra = {"derivative_order": max(order, 1)} if stiff else {}
             return make(lambda u, s: G(u, s, theta, const), n, rtol=rtol, atol=atol, **extra)
 
-        solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure)
+        solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure,
+                                    progress=progress)
     else:
         solve = _adjoint.make_solve(
             _make_stepper(method, max_step),
@@ -288,6 +304,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
             adjoint=adjoint,
             window=window,
             max_steps=max_steps,
+            progress=progress,
         )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
     zs, stats = solve(y0_flat, ts, theta, const, ctl)
@@ -319,6 +336,20 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, options,
             message=_message(solver, max_steps),
         )
     return jax.vmap(unravel)(zs), info
+
+
+def _notify(progress, t, accepted, t0, t_end):
+    """``odeint``'s ``progress`` on the host: the user's callable, or a one-line print."""
+    if not accepted:
+        return
+    t = float(t)
+    if progress is not None:
+        progress(t)
+        return
+    t0, t_end = float(t0), float(t_end)
+    done = 100.0 * (t - t0) / (t_end - t0) if t_end > t0 else 100.0
+    print(f"\rsolvers.odeint: t = {t:.6g} of {t_end:.6g} ({done:5.1f}%)",
+          end="\n" if t >= t_end else "", flush=True)
 
 
 def _why(status, max_steps, solver, *, backward=False):
