@@ -509,13 +509,16 @@ def _watch_recompiles(fn, solver):
         )
 
 
-def dispatch(jitted, *args, solver, options, fn=None, message=None, **static):
+def dispatch(jitted, *args, solver, options, fn=None, message=None, forward_hint=None,
+             **static):
     """Call a solver's jitted implementation and apply the eager failure check.
 
     ``jitted(*args, check=, solver=, options=, **static)`` must return ``(x, info)``; it
     receives ``options`` (an :class:`Options`) with the tolerances blanked (they are
     among ``args``, traced); ``fn`` is the user's function (watched for recompiles);
-    ``message``: the ``detail``/``explain`` hooks of :func:`failure_message`.
+    ``message``: the ``detail``/``explain`` hooks of :func:`failure_message`;
+    ``forward_hint``: what to tell a forward-mode caller that a custom_vjp refused (by
+    default the ``rule='jvp'`` advice of the implicit solvers).
     """
     on_failure, max_steps, full_output = (
         options.on_failure, options.max_steps, options.full_output
@@ -539,7 +542,7 @@ def dispatch(jitted, *args, solver, options, fn=None, message=None, **static):
     except TypeError as err:
         if "forward-mode" not in str(err) or "custom_vjp" not in str(err):
             raise
-        hint = (
+        hint = forward_hint or (
             "pass rule='jvp' (with a linear linear_solver such as 'gmres' or 'dense') "
             "for forward mode (jax.jvp, jax.jacfwd, jax.hessian)"
             if options.rule is not None

@@ -37,6 +37,9 @@ Gradients
     solution is recomputed from the stored output, keeping the continuous extension of
     ``adjoint_window`` steps at a time, and interpolated. First derivatives only.
 
+  ``adjoint="forward"``: forward sensitivities (a ``jax.custom_jvp``), so ``jax.jvp``,
+  ``jax.jacfwd`` and ``jax.hessian`` work too, at any order; for few parameters.
+
   Memory holds the outputs (and, for the interpolating adjoint, ``adjoint_window``
   steps), never the steps: it does not grow with the number of steps or with
   ``max_steps``.

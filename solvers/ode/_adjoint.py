@@ -61,27 +61,25 @@ def _unflat(flat, like):
     return jax.tree.unflatten(treedef, out)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _first_order_only(out, *dependencies):
     return out
 
 
-def _first_order_only_fwd(out, *dependencies):
-    return out, None
-
-
-def _first_order_only_bwd(_, g):
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    # Reached by any derivative of a backward pass: reverse (grad of grad) linearises
+    # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
     raise NotImplementedError(
         "solvers.odeint: the discrete adjoint (the default) and the interpolating adjoint "
-        "give first derivatives only; for higher derivatives pass adjoint='backsolve'"
+        "give first derivatives only; for higher derivatives pass adjoint='forward' "
+        "(forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp and grad of grad) or "
+        "adjoint='backsolve' (reverse mode: grad of grad)"
     )
 
 
-_first_order_only.defvjp(_first_order_only_fwd, _first_order_only_bwd)
-
-
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64,
-               max_steps=None):
+               max_steps=None, progress=None):
     """A differentiable ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``G(u, s, theta, const)`` returns the derivative of the whole state; ``theta`` is a
@@ -91,7 +89,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     ``report(status, t) -> flag`` raises the failure of a backward pass from the host
     (fold the flag into the gradient so that the check stays).
     ``adjoint``: ``"backsolve"`` or ``"interpolate"`` (see :func:`_interpolating_bwd`),
-    ``window``: the interpolating adjoint's step buffer.
+    ``window``: the interpolating adjoint's step buffer; ``progress``: the forward
+    loop's host callback (:func:`_integrate.integrate`), never the backward passes'.
     """
 
     def run(z0, ts, theta, const, ctl, checkpoint=None):
@@ -103,7 +102,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
         return _integrate.integrate(
             stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
-            checkpoint=checkpoint,
+            checkpoint=checkpoint, progress=progress,
         )
 
     @jax.custom_vjp

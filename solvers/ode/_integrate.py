@@ -366,7 +366,7 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None, event=None, direction="both"):
+         checkpoint=None, event=None, direction="both", progress=None):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -380,6 +380,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     step across which an event component changes sign (:func:`crossings`); the crossing is
     then located on that step's continuous extension (:func:`locate_event`), once, after
     the loop, and the outputs past it hold the state there.
+    ``progress(t, accepted, t0, t_end)``, if given, runs on the host after every attempted
+    step (``jax.debug.callback``; nothing is traced without it).
     """
     dtype = z0.dtype
     T = ts.shape[0]
@@ -464,6 +466,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         def body(c):
             ctrl, z, cache, last_step, rec, ck, ev = c
             ctrl = Controller.unpack(ctrl)
+            # Under vmap the body also runs for the elements already done: not a step.
+            active = (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
             if event is not None:
                 g1 = event(z, ctrl.s)
@@ -484,6 +488,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                                    ctrl.status)
                 status = jnp.where(bad & (status == NOT_FAILED), _status.NONFINITE, status)
                 ctrl = ctrl._replace(status=status.astype(i32))
+            if progress is not None:
+                jax.debug.callback(progress, ctrl.s, accept & active, t0, t_end)
             if checkpoint:
                 ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
@@ -590,7 +596,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None, event=None, direction="both"):
+              checkpoint=None, event=None, direction="both", progress=None):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
@@ -604,9 +610,11 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     from which :func:`_attempt` replays the following steps exactly (the discrete
     adjoint). With ``event(z, s) -> (E,)`` return instead ``(zs, Stats, EventResult)``: the
     integration stops at the first crossing in ``direction`` (see :func:`_run`).
+    ``progress``: see :func:`_run`.
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
-                record=record, checkpoint=checkpoint, event=event, direction=direction)
+                record=record, checkpoint=checkpoint, event=event, direction=direction,
+                progress=progress)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

@@ -13,14 +13,14 @@ from jax.flatten_util import ravel_pytree
 from implicit import _checks, _sharding
 from implicit._host import host_check
 from solvers import _runner, _status
-from solvers.ode import _adjoint, _events, _integrate, _tableaus
+from solvers.ode import _adjoint, _events, _forward, _integrate, _tableaus
 from solvers.ode._explicit import explicit_stepper
 
 __all__ = ["odeint", "ODEInfo", "METHODS"]
 
 METHODS = ("dopri5", "tsit5", "kvaerno5", "bdf")
 STIFF_METHODS = ("kvaerno5", "bdf")
-ADJOINTS = ("discrete", "backsolve", "interpolate")
+ADJOINTS = ("discrete", "backsolve", "interpolate", "forward")
 EVENT_DIRECTIONS = _events.DIRECTIONS
 DEFAULT_MAX_STEPS = 10_000
 
@@ -90,6 +90,7 @@ def odeint(
     full_output=False,
     event=None,
     event_direction="both",
+    progress=None,
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -128,7 +129,14 @@ def odeint(
     ``y0``) by more than 100x the adjoint tolerances it fails by ``on_failure`` (status
     ``drift``). ``adjoint="interpolate"`` recomputes the forward solution
     ``adjoint_window`` steps at a time and interpolates it while the continuous adjoint
-    runs backwards (first derivatives only).
+    runs backwards (first derivatives only). ``adjoint="forward"`` computes forward
+    sensitivities instead: the derivatives of the state with respect to the inputs that
+    are differentiated are integrated alongside it with the same steps (step sizes held
+    fixed: the same derivative of the computed outputs as ``"discrete"``), so ``jax.jvp``,
+    ``jax.jacfwd``, ``jax.grad`` and ``jax.hessian`` all work, at any order; the cost
+    grows with the number of scalars differentiated (``len(y0)`` plus the parameters'
+    sizes, each order multiplying the state by that plus one): for small systems and few
+    parameters.
 
     Events: with ``event=g``, the integration stops where ``g(y, t, *args)`` crosses zero
     (a terminal event). After every accepted step the event values are compared with
@@ -157,7 +165,9 @@ def odeint(
         1e-8/1e-10 in float64). Traced values are fine: changing them does not recompile.
       max_steps: cap on the attempted steps over the whole of ``ts`` (not per interval);
         the backward pass gets the same cap.
-      adjoint: ``"discrete"`` (default), ``"backsolve"`` or ``"interpolate"``; see above.
+      adjoint: ``"discrete"`` (default), ``"backsolve"``, ``"interpolate"`` (reverse mode)
+        or ``"forward"`` (forward sensitivities: forward and reverse mode, any order); see
+        above.
       adjoint_rtol, adjoint_atol: tolerances of the backward integration of the
         continuous adjoints (``"backsolve"``, ``"interpolate"``).
       adjoint_window: accepted steps between the discrete adjoint's checkpoints, and
@@ -179,6 +189,11 @@ def odeint(
       event_direction: which crossings count: ``"both"`` (default), ``"rising"`` (from
         negative to zero or positive) or ``"falling"`` (from positive to zero or
         negative); the same for every event value.
+      progress: ``True`` prints the time reached after every accepted step (one line,
+        rewritten); a callable ``progress(t)`` receives it instead (a Python float; under
+        ``vmap``, once per batch element). Eager and under ``jit`` alike (a
+        ``jax.debug.callback`` in the step loop of the forward integration; the backward
+        passes report nothing). ``None`` (default): nothing is traced.
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -193,6 +208,9 @@ def odeint(
       >>> grad = jax.grad(lambda k: solvers.odeint(decay, 1.0, ts, k)[-1])(0.5)
       >>> print(round(float(grad), 5))  # d/dk exp(-2k) = -2 exp(-1)
       -0.73576
+      >>> final = lambda k: solvers.odeint(decay, 1.0, ts, k, adjoint="forward")[-1]
+      >>> print(round(float(jax.jacfwd(final)(0.5)), 5), round(float(jax.hessian(final)(0.5)), 4))
+      -0.73576 1.4715
 
       An event: ``y = exp(-k t)`` falls to 0.25 at ``t = log(4) / k``.
 
@@ -221,6 +239,21 @@ def odeint(
     if event is not None:
         _checks.check_callable(event, "event")
     _checks.check_choice(event_direction, "event_direction", EVENT_DIRECTIONS)
+    if progress is not None and progress is not False and progress is not True:
+        _checks.check_callable(progress, "progress")
+    if progress is False:
+        progress = None
+    if adjoint == "forward" and method == "bdf":
+        raise ValueError(
+            "adjoint='forward' supports method='dopri5', 'tsit5' and 'kvaerno5', not 'bdf' "
+            "(its multistep state is not differentiated step by step yet): use another "
+            "adjoint, or one of those methods for forward mode"
+        )
+    if event is not None and adjoint == "forward":
+        raise ValueError(
+            "event= is differentiated in reverse mode (a custom_vjp); it does not combine "
+            "with adjoint='forward': pass another adjoint"
+        )
     _checks.check_args(args)
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
@@ -244,6 +277,7 @@ def odeint(
         method=method,
         adjoint=adjoint,
         window=int(adjoint_window),
+        progress=progress,
         max_step=float("inf") if max_step is None else float(max_step),
         event=event,
         direction=event_direction,
@@ -251,6 +285,11 @@ def odeint(
         solver=solver,
         fn=f,
         message=_message(solver, opts.max_steps, event),
+        forward_hint=(
+            f"adjoint={adjoint!r} is reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
+            "pass adjoint='forward' (forward sensitivities) for forward mode (jax.jvp, "
+            "jax.jacfwd, jax.hessian)"
+        ),
     )
 
 
@@ -288,7 +327,7 @@ def _make_stepper(method, max_step=float("inf")):
 
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
-           options, solver, check):
+           options, solver, check, progress=None):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
@@ -312,16 +351,36 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         return ravel_pytree(dy)[0].astype(dtype)
 
     report = functools.partial(_report_backward, solver=solver, max_steps=max_steps)
-    solve = _adjoint.make_solve(
-        _make_stepper(method, max_step),
-        G,
-        y0_flat.size,
-        on_failure=on_failure,
-        report=report,
-        adjoint=adjoint,
-        window=window,
-        max_steps=max_steps,
-    )
+    # (built here, not in odeint: the static `progress` is then the user's own object,
+    # and repeated calls reuse the compiled solver)
+    if progress is not None:
+        progress = functools.partial(_notify, None if progress is True else progress)
+    if adjoint == "forward":
+        make = _make_stepper(method, max_step)
+        n = y0_flat.size
+
+        stiff = method == "kvaerno5"  # (its stage solves take a derivative order)
+
+        def stepper_of(theta, const, rtol, atol, order):
+            # An implicit method's stage values are differentiated exactly to the order
+            # asked (one chord correction each); explicit steps are exact at any order.
+            extra = {"derivative_order": max(order, 1)} if stiff else {}
+            return make(lambda u, s: G(u, s, theta, const), n, rtol=rtol, atol=atol, **extra)
+
+        solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure,
+                                    progress=progress)
+    else:
+        solve = _adjoint.make_solve(
+            _make_stepper(method, max_step),
+            G,
+            y0_flat.size,
+            on_failure=on_failure,
+            report=report,
+            adjoint=adjoint,
+            window=window,
+            max_steps=max_steps,
+            progress=progress,
+        )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
     extra = {}
     if event is None:
@@ -355,6 +414,12 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         **extra,
     )
     if event is None:
+        if adjoint == "forward" and on_failure == "nan":
+            # NaN values and NaN tangents (the policy's `where` would give the failed
+            # outputs the zero tangent of its NaN constant; the rule made the tangents
+            # of a failure NaN).
+            zs = zs + jnp.where(info.converged, 0.0, jnp.nan).astype(dtype)
+            return jax.vmap(unravel)(zs), info
         zs = _runner.apply_failure_policy(
             zs,
             info,
@@ -404,6 +469,20 @@ def _event_values(event, y0, ts, args, unravel, is_float, treedef, dtype):
         return ravel_pytree(g)[0].astype(dtype)
 
     return E, ev_theta, ev_const
+
+
+def _notify(progress, t, accepted, t0, t_end):
+    """``odeint``'s ``progress`` on the host: the user's callable, or a one-line print."""
+    if not accepted:
+        return
+    t = float(t)
+    if progress is not None:
+        progress(t)
+        return
+    t0, t_end = float(t0), float(t_end)
+    done = 100.0 * (t - t0) / (t_end - t0) if t_end > t0 else 100.0
+    print(f"\rsolvers.odeint: t = {t:.6g} of {t_end:.6g} ({done:5.1f}%)",
+          end="\n" if t >= t_end else "", flush=True)
 
 
 def _why(status, max_steps, solver, *, backward=False, event=False):

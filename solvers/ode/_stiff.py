@@ -21,11 +21,14 @@ NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tol
 NEWTON_MAX_STEPS = 8
 
 
-def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol):
+def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
     """The :class:`~solvers.ode._integrate.Stepper` of an ESDIRK pair with explicit first stage.
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
     ``n_ctrl`` are quadratures (``rhs`` does not read them), evaluated at the stage values.
+    ``derivative_order``: the order up to which ``diff_step``'s derivatives are exact (one
+    chord correction of the stage values per order; the forward sensitivities ask for 2,
+    so that ``jax.hessian`` is exact too).
     """
     from solvers.ode._integrate import Stepper
     from solvers.root import newton
@@ -120,9 +123,15 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol):
             U_star = jax.lax.stop_gradient(base + hg * ks_star[i])
             t = s + c[i] * h
             J = jax.lax.stop_gradient(jax.jacfwd(lambda v: rhs(v, t))(U_star))
-            r = U_star - base - hg * rhs(U_star, t)
-            x = jnp.linalg.solve(eye - hg * J, r)
-            U = U_star - (x - jax.lax.stop_gradient(x))
+            lu = jax.scipy.linalg.lu_factor(eye - hg * J)
+            U = U_star
+            # Each chord correction (the Jacobian exact at U*, held fixed) makes one more
+            # order of derivatives exact: r(U) = U - base - hγ f(U), whose Jacobian at U*
+            # is M, vanishes to order k at U_k.
+            for _ in range(derivative_order):
+                r = U - base - hg * rhs(U, t)
+                x = jax.scipy.linalg.lu_solve(lu, r)
+                U = U - (x - jax.lax.stop_gradient(x))
             return ks.at[i].set((U - base) / hg)
 
         ks = jax.lax.fori_loop(1, stages, stage, ks)
