@@ -65,7 +65,8 @@ def machine_header(suites):
     versions = ", ".join(f"{n} {_version(n)}" for n in PEERS)
     return "\n".join([
         f"Machine: {device.platform} ({getattr(device, 'device_kind', '?')}), CPU {_cpu_model()}, "
-        f"{os.cpu_count()} cores; matmul precision {precision}.  ",
+        f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} available to this run); "
+        f"matmul precision {precision}.  ",
         f"Versions: {versions}.  ",
         f"Commit {commit}, {datetime.date.today().isoformat()}; suites: {' '.join(suites)}.",
         "",
