@@ -70,6 +70,6 @@ Failures
   ``step_underflow``, ``nonfinite``, ``invalid_input``; ``info.status_name`` names it).
 """
 
-from solvers.ode._odeint import METHODS, ODEInfo, odeint
+from solvers.ode._odeint import METHODS, ODEInfo, ODESolution, odeint
 
-__all__ = ["odeint", "ODEInfo", "METHODS"]
+__all__ = ["odeint", "ODEInfo", "ODESolution", "METHODS"]

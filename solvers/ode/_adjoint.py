@@ -79,8 +79,8 @@ def _first_order_only_jvp(primals, tangents):
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64,
-               max_steps=None, progress=None):
-    """A differentiable ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
+               max_steps=None, progress=None, record=0, event=None, log=0, direction="both"):
+    """A differentiable ``solve(z0, ts, theta, const, ctl, ev=((), ())) -> (zs, Stats)``.
 
     ``G(u, s, theta, const)`` returns the derivative of the whole state; ``theta`` is a
     pytree of floating arrays (differentiated), ``const`` anything else (not).
@@ -91,36 +91,52 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     ``adjoint``: ``"backsolve"`` or ``"interpolate"`` (see :func:`_interpolating_bwd`),
     ``window``: the interpolating adjoint's step buffer; ``progress``: the forward
     loop's host callback (:func:`_integrate.integrate`), never the backward passes'.
+    Outputs that are not differentiated (their cotangents are dropped: apply
+    ``stop_gradient`` to them) follow ``(zs, Stats)`` when asked for: with ``record=B``
+    the :class:`~solvers.ode._integrate.Record` of the last ``B`` accepted steps (dense
+    output), with ``log=M`` the :class:`~solvers.ode._integrate.EventLog` of the
+    non-terminal crossings of ``event(u, s, theta, const, ev_theta, ev_const) -> (E,)``
+    in ``direction`` (``ev = (ev_theta, ev_const)``: the event function's own values).
     """
 
-    def run(z0, ts, theta, const, ctl, checkpoint=None):
+    def run(z0, ts, theta, const, ctl, ev, checkpoint=None):
         rtol, atol, _, _, h0, budget = ctl
 
         def rhs(u, s):
             return G(u, s, theta, const)
 
+        kw = {}
+        if log:
+            kw = dict(event=lambda u, s: event(u, s, theta, const, *ev), log=log,
+                      direction=direction)
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
-        return _integrate.integrate(
+        out = _integrate.integrate(
             stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
-            checkpoint=checkpoint, progress=progress,
+            checkpoint=checkpoint, progress=progress, record=record, **kw,
         )
+        rest = out[2:]
+        ck = None
+        if checkpoint:
+            ck, rest = rest[0], rest[1:]
+        return out[0], out[1], tuple(rest), ck
 
     @jax.custom_vjp
-    def solve(z0, ts, theta, const, ctl):
-        return run(z0, ts, theta, const, ctl)
+    def solve(z0, ts, theta, const, ctl, ev):
+        zs, stats, rest, _ = run(z0, ts, theta, const, ctl, ev)
+        return (zs, stats, *rest)
 
-    def solve_fwd(z0, ts, theta, const, ctl):
+    def solve_fwd(z0, ts, theta, const, ctl, ev):
         if adjoint == "discrete":
             # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
             # when there are more than NUM_CHECKPOINTS of them), for the replay.
             checkpoint = (window, NUM_CHECKPOINTS)
-            zs, stats, ck = run(z0, ts, theta, const, ctl, checkpoint=checkpoint)
+            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint)
             res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status)
-            return (zs, stats), res
+            return (zs, stats, *rest), res
         # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
         # uses this rule again instead of the stepping loop.
-        zs, stats = solve(z0, ts, theta, const, ctl)
-        return (zs, stats), (zs, ts, theta, const, ctl)
+        out = solve(z0, ts, theta, const, ctl, ev)
+        return out, (out[0], ts, theta, const, ctl)
 
     def G_adjoint(u2, r, theta2, const):
         # The augmented system in reversed time r = -s: (u, λ_u)' = (-G_u, (∂G/∂u)ᵀ λ) and
@@ -237,14 +253,14 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_bwd(res, cotangents):
         if adjoint == "discrete":
-            return _discrete_bwd(
+            return (*_discrete_bwd(
                 make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
                 report=report,
-            )
+            ), None)
         if adjoint == "interpolate":
-            return _interpolating_bwd(
+            return (*_interpolating_bwd(
                 make_stepper, G, res, cotangents[0], window, on_failure=on_failure, report=report
-            )
+            ), None)
         zs, ts, theta, const, ctl = res
         gz = cotangents[0]
         T = zs.shape[0]
@@ -258,10 +274,14 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             lambda u, t: G(u, t, theta, const), zs[:, :n_u], ts, gz, lam, theta_bar,
             status, t_fail, on_failure=on_failure, report=report,
         )
-        return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
+        return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None, None
 
     solve.defvjp(solve_fwd, solve_bwd)
-    return solve
+
+    def solve_with_events(z0, ts, theta, const, ctl, ev=((), ())):
+        return solve(z0, ts, theta, const, ctl, ev)
+
+    return solve_with_events
 
 
 def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):

@@ -49,7 +49,7 @@ def event_grid(ts, t_e):
     return k, jnp.where(i <= k, ts, spread)
 
 
-def make_event_solve(make_stepper, G, E, n, solve, *, direction):
+def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
     """A differentiable ``event_solve(z0, ts, theta, const, ev_theta, ev_const, ctl)``
     returning ``(zs, Stats, EventResult)``.
 
@@ -57,7 +57,9 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction):
     ev_const) -> (E,)``: the raveled event values (``ev_theta``: the floating arrays the
     event function closes over, differentiated); ``solve``: the differentiable solve
     (:func:`solvers.ode._adjoint.make_solve`), used by the backward
-    pass; ``ctl`` as there.
+    pass; ``ctl`` as there. With ``record=B`` the :class:`~solvers.ode._integrate.Record`
+    of the last ``B`` accepted steps follows (dense output; not differentiated: its
+    cotangent is dropped).
     """
 
     def run(z0, ts, theta, const, ev_theta, ev_const, ctl):
@@ -72,6 +74,7 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction):
         stepper = make_stepper(rhs, n, rtol=rtol, atol=atol)
         return _integrate.integrate(
             stepper, rhs, z0, ts, rtol, atol, h0, budget, n, event=event, direction=direction,
+            record=record,
         )
 
     @jax.custom_vjp
@@ -85,7 +88,7 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction):
 
     def bwd(res, cotangents):
         z0, ts, theta, const, ev_theta, ev_const, ctl, result = res
-        gzs, _, ev_ct = cotangents
+        gzs, _, ev_ct = cotangents[:3]
         t_bar, z_bar = ev_ct.t, ev_ct.z
         dtype = z0.dtype
         T = ts.shape[0]

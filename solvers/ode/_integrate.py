@@ -29,6 +29,7 @@ __all__ = [
     "Stats",
     "Stepper",
     "Record",
+    "EventLog",
     "Controller",
     "integrate",
     "integrate_jumps",
@@ -181,6 +182,22 @@ class EventCarry(NamedTuple):
     cross: Any  # (E,) bool: which components changed sign (in the chosen direction) there
     fired: Any  # bool: a crossing was found: the loop stops after that step
     bad: Any  # bool: an event value was not finite (status NONFINITE)
+    log: Any = None  # EventLog (non-terminal events only)
+
+
+class EventLog(NamedTuple):
+    """The crossings of non-terminal events (``integrate(..., event=, log=M)``), in order.
+
+    ``t``: (M,) crossing times (``inf`` past ``count``), ``z``: (M, N) the states there
+    (NaN past ``count``), ``index``: (M,) the event component that crossed (-1 past
+    ``count``), ``count``: the crossings found (it goes on counting past ``M``: then only
+    the first ``M`` are kept).
+    """
+
+    t: Any
+    z: Any
+    index: Any
+    count: Any
 
 
 class EventResult(NamedTuple):
@@ -218,20 +235,15 @@ def crossings(g0, g1, direction):
     return rising | falling
 
 
-def locate_event(event, last_step, dense, g_start, g_end, cross):
-    """The first crossing inside an accepted step, on its continuous extension.
-
-    ``event(z, s) -> (E,)``; ``last_step``: the step (start, size, state, stages);
-    ``g_start``/``g_end``: the event values at its ends; ``cross``: the components that
-    changed sign. Each crossing component's root in ``θ ∈ [0, 1]`` (``t = s + θ h``) is
-    found by Chandrupatla's method (:mod:`solvers.bracket`'s steps) to a few ulps of the
-    time; the earliest one wins. Returns ``(t, z, index, finite)``.
-    """
+def _crossing_thetas(event, last_step, dense, cross):
+    """Each crossing component's root ``θ ∈ [0, 1]`` on an accepted step's continuous
+    extension (``inf`` for the components that did not cross); see :func:`locate_event`.
+    Returns ``(theta, state, finite)``: ``state(θ)`` is the interpolated state."""
     from solvers import bracket
 
     s, h, z0, ks = last_step
     dtype = z0.dtype
-    E = g_start.shape[0]
+    E = cross.shape[0]
     coef = h * (dense @ ks)
     idx = jnp.arange(E)
 
@@ -262,10 +274,49 @@ def locate_event(event, last_step, dense, g_start, g_end, cross):
     theta = jnp.where(st.flag == _status.NO_SIGN_CHANGE, 1.0, theta)
     finite = ~jnp.any(cross & ((st.flag == _status.NONFINITE) | ~jnp.isfinite(theta)))
     theta = jnp.where(cross, jnp.clip(theta, 0, 1), jnp.inf)
+    return theta, state, finite
+
+
+def locate_event(event, last_step, dense, g_start, g_end, cross):
+    """The first crossing inside an accepted step, on its continuous extension.
+
+    ``event(z, s) -> (E,)``; ``last_step``: the step (start, size, state, stages);
+    ``g_start``/``g_end``: the event values at its ends; ``cross``: the components that
+    changed sign. Each crossing component's root in ``θ ∈ [0, 1]`` (``t = s + θ h``) is
+    found by Chandrupatla's method (:mod:`solvers.bracket`'s steps) to a few ulps of the
+    time; the earliest one wins. Returns ``(t, z, index, finite)``.
+    """
+    s, h = last_step[0], last_step[1]
+    theta, state, finite = _crossing_thetas(event, last_step, dense, cross)
     j = jnp.argmin(theta)
     th = theta[j]
     t = jnp.where(th == 1, s + h, s + th * h)
     return t, state(th), j.astype(jnp.int32), finite
+
+
+def log_crossings(event, last_step, dense, cross, log, t0):
+    """Append every crossing inside an accepted step to an :class:`EventLog`, earliest
+    first (non-terminal events). Returns ``(log, finite)``."""
+    s, h = last_step[0], last_step[1]
+    dtype = last_step[2].dtype
+    M = log.t.shape[0]
+    theta, state, finite = _crossing_thetas(event, last_step, dense, cross)
+    order = jnp.argsort(theta)  # the components that did not cross (inf) last
+    th = theta[order]
+    ok = jnp.isfinite(th)
+    th0 = jnp.where(ok, th, 0)
+    t = jnp.where(th0 == 1, s + h, s + th0 * h)
+    t = jnp.maximum(t, jnp.nextafter(t0, jnp.asarray(jnp.inf, dtype)))  # after the start
+    z = jax.vmap(state)(th0)
+    pos = log.count + jnp.cumsum(ok.astype(jnp.int32)).astype(jnp.int32) - 1
+    slot = jnp.where(ok & (pos < M), pos, M)  # M: dropped (full, or no crossing)
+    log = EventLog(
+        t=log.t.at[slot].set(t, mode="drop"),
+        z=log.z.at[slot].set(z, mode="drop"),
+        index=log.index.at[slot].set(order.astype(jnp.int32), mode="drop"),
+        count=(log.count + jnp.sum(ok.astype(jnp.int32))).astype(jnp.int32),
+    )
+    return log, finite
 
 
 def valid_times(ts):
@@ -366,7 +417,7 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None, event=None, direction="both", progress=None):
+         checkpoint=None, event=None, direction="both", progress=None, log=0):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -379,7 +430,9 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     With ``event(z, s) -> (E,)`` (dense mode) the loop also stops after the first accepted
     step across which an event component changes sign (:func:`crossings`); the crossing is
     then located on that step's continuous extension (:func:`locate_event`), once, after
-    the loop, and the outputs past it hold the state there.
+    the loop, and the outputs past it hold the state there. With ``log=M > 0`` the events
+    are non-terminal instead: every crossing is located on its step as it happens and kept
+    in an :class:`EventLog` of ``M`` slots, and the integration goes on.
     ``progress(t, accepted, t0, t_end)``, if given, runs on the host after every attempted
     step (``jax.debug.callback``; nothing is traced without it).
     """
@@ -431,6 +484,13 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         g_ok = jnp.all(jnp.isfinite(g0))
         no = jnp.zeros(g0.shape, bool)
         ev = EventCarry(g0, g0, no, jnp.zeros((), bool), ~g_ok)
+        if log:
+            ev = ev._replace(log=EventLog(
+                t=jnp.full((log,), jnp.inf, dtype),
+                z=jnp.full((log, N), jnp.nan, dtype),
+                index=jnp.full((log,), -1, i32),
+                count=jnp.zeros((), i32),
+            ))
         ctrl = ctrl._replace(
             status=jnp.where(valid & ~g_ok, _status.NONFINITE, ctrl.status).astype(i32)
         )
@@ -475,12 +535,24 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 cross = accept & ok & crossings(ev.g, g1, direction)
                 fired = jnp.any(cross)
                 bad = accept & ~ok
+                lg = ev.log
+                if log:  # non-terminal: keep every crossing and go on
+                    lg, found = jax.lax.cond(
+                        fired,
+                        lambda lg: log_crossings(event, (s, h, z_old, ks), dense, cross, lg,
+                                                 t0),
+                        lambda lg: (lg, jnp.ones((), bool)),
+                        lg,
+                    )
+                    bad = bad | ~found
+                    fired = jnp.zeros((), bool)
                 ev = EventCarry(
                     g=jnp.where(accept & ok, g1, ev.g),
                     g_start=jnp.where(accept, ev.g, ev.g_start),
                     cross=jnp.where(accept, cross, ev.cross),
                     fired=fired,
                     bad=bad,
+                    log=lg,
                 )
                 # A crossing ends the integration (even on the budget's last step); a
                 # non-finite event value is a failure.
@@ -544,7 +616,12 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end
-    if event is not None:
+    if event is not None and log:
+        ctrl = ctrl._replace(
+            status=jnp.where(carry.ev.bad & (ctrl.status == NOT_FAILED), _status.NONFINITE,
+                             ctrl.status).astype(i32)
+        )
+    elif event is not None:
         ev = carry.ev
         reached_end = reached_end | ev.fired
         t_e, z_e, index, finite = locate_event(
@@ -581,22 +658,26 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     if jumps:
         return jnp.where(valid, z, jnp.nan), stats
     ys = jnp.concatenate([z0[None], ys])
-    if event is not None:
-        return ys, stats, event_result
+    # (ys, stats), then whichever of these were asked for, in this order.
+    out = [ys, stats]
+    if event is not None and not log:
+        out.append(event_result)
     if checkpoint:
-        return ys, stats, carry.ck
-    if not record:
-        return ys, stats
-    n_acc = ctrl.num_accepted
-    # Oldest step first; with fewer than B steps the unused rows (s = inf) stay last.
-    shift = jnp.where(n_acc > B, n_acc % B, 0)
-    rec = jax.tree.map(lambda buf: jnp.roll(buf, -shift, axis=0), rec)
-    start = jnp.where(n_acc > B, rec.s[0], t0)
-    return ys, stats, rec._replace(start=start)
+        out.append(carry.ck)
+    if record:
+        n_acc = ctrl.num_accepted
+        # Oldest step first; with fewer than B steps the unused rows (s = inf) stay last.
+        shift = jnp.where(n_acc > B, n_acc % B, 0)
+        rec = jax.tree.map(lambda buf: jnp.roll(buf, -shift, axis=0), rec)
+        start = jnp.where(n_acc > B, rec.s[0], t0)
+        out.append(rec._replace(start=start))
+    if log:
+        out.append(carry.ev.log)
+    return tuple(out)
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None, event=None, direction="both", progress=None):
+              checkpoint=None, event=None, direction="both", progress=None, log=0):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
@@ -609,12 +690,14 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     initial one; ``spacing`` starts at ``W`` and doubles whenever the slots are full),
     from which :func:`_attempt` replays the following steps exactly (the discrete
     adjoint). With ``event(z, s) -> (E,)`` return instead ``(zs, Stats, EventResult)``: the
-    integration stops at the first crossing in ``direction`` (see :func:`_run`).
-    ``progress``: see :func:`_run`.
+    integration stops at the first crossing in ``direction`` (see :func:`_run`); with
+    ``log=M`` too, the events are non-terminal and an :class:`EventLog` is returned
+    instead of the ``EventResult``. Several of these: ``(zs, Stats, EventResult, ck,
+    Record, EventLog)``, leaving out those not asked for. ``progress``: see :func:`_run`.
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
                 record=record, checkpoint=checkpoint, event=event, direction=direction,
-                progress=progress)
+                progress=progress, log=log)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

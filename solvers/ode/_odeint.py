@@ -14,15 +14,18 @@ from implicit import _checks, _sharding
 from implicit._host import host_check
 from solvers import _runner, _status
 from solvers.ode import _adjoint, _events, _forward, _integrate, _tableaus
+from solvers.ode._dense import ODESolution
 from solvers.ode._explicit import explicit_stepper
 
-__all__ = ["odeint", "ODEInfo", "METHODS"]
+__all__ = ["odeint", "ODEInfo", "ODESolution", "METHODS"]
 
 METHODS = ("dopri5", "tsit5", "kvaerno5", "bdf")
 STIFF_METHODS = ("kvaerno5", "bdf")
 ADJOINTS = ("discrete", "backsolve", "interpolate", "forward")
 EVENT_DIRECTIONS = _events.DIRECTIONS
 DEFAULT_MAX_STEPS = 10_000
+#: The crossings a non-terminal event keeps by default (``max_events``).
+DEFAULT_MAX_EVENTS = 64
 
 
 class ODEInfo(NamedTuple):
@@ -49,6 +52,15 @@ class ODEInfo(NamedTuple):
       event_index: with ``event=``: which event value crossed (its position among the
         leaves of the event function's output, raveled in order: the leaf index for a
         pytree of scalars), ``-1`` when none did. ``None`` without ``event``.
+        With ``event_terminal=False`` these three hold every crossing kept, in time
+        order, with a leading axis of ``max_events``: ``event_time`` is padded with
+        ``inf``, ``event_state`` with NaN, ``event_index`` with -1 (not differentiated).
+      num_events: with ``event_terminal=False``: the crossings found (it goes on
+        counting past ``max_events``; then only the first ``max_events`` are kept).
+        ``None`` otherwise.
+      solution: with ``dense=``: an :class:`ODESolution`, whose ``evaluate(t)`` gives the
+        state at any time of the span, from the method's continuous extension. ``None``
+        without ``dense``.
     """
 
     converged: Any
@@ -64,6 +76,8 @@ class ODEInfo(NamedTuple):
     event_time: Any = None
     event_state: Any = None
     event_index: Any = None
+    num_events: Any = None
+    solution: Any = None
 
     @property
     def status_name(self):
@@ -91,6 +105,9 @@ def odeint(
     event=None,
     event_direction="both",
     progress=None,
+    dense=None,
+    event_terminal=True,
+    max_events=DEFAULT_MAX_EVENTS,
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -254,7 +271,28 @@ def odeint(
             "event= is differentiated in reverse mode (a custom_vjp); it does not combine "
             "with adjoint='forward': pass another adjoint"
         )
+    if event_terminal not in (True, False):
+        raise TypeError(f"`event_terminal` must be True or False, got {event_terminal!r}")
+    _checks.check_max_steps(max_events, "max_events")
+    if not event_terminal and event is None:
+        raise ValueError("event_terminal=False needs an event function: pass event=")
+    if dense is not None and dense is not False:
+        if dense is not True:
+            _checks.check_max_steps(dense, "dense")
+        if not full_output:
+            raise ValueError(
+                "dense= returns the solution as info.solution: pass full_output=True too"
+            )
+        if adjoint == "forward":
+            raise ValueError(
+                "dense= output is differentiated in reverse mode (a custom_vjp); it does "
+                "not combine with adjoint='forward': pass another adjoint"
+            )
+    # Every accepted step is kept with dense=True (they are at most max_steps).
+    record = 0 if dense is None or dense is False else (
+        int(max_steps) if dense is True else int(dense))
     _checks.check_args(args)
+    _check_real(y0)
     y0 = _checks.as_floating(y0, "y0")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
@@ -281,6 +319,8 @@ def odeint(
         max_step=float("inf") if max_step is None else float(max_step),
         event=event,
         direction=event_direction,
+        record=record,
+        log=0 if event_terminal else int(max_events),
         options=opts,
         solver=solver,
         fn=f,
@@ -291,6 +331,26 @@ def odeint(
             "jax.jacfwd, jax.hessian)"
         ),
     )
+
+
+def _check_real(y0):
+    """odeint integrates real states only: a complex leaf gets the way to integrate it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(y0)[0]:
+        try:
+            dtype = jnp.result_type(leaf)
+        except TypeError:
+            continue  # (as_floating names what is wrong with it)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            where = "`y0`" + jax.tree_util.keystr(path)
+            raise TypeError(
+                f"solvers.odeint does not support complex states: {where} has dtype "
+                f"{dtype}. Supported: real floating states (float32, or float64 with "
+                "jax_enable_x64; ints and bools are promoted). Integrate the real and "
+                "imaginary parts as a real state instead, e.g. "
+                "y0 = jnp.stack([z0.real, z0.imag]) and f returning "
+                "jnp.stack([dz.real, dz.imag]) for dz = g(y[0] + 1j * y[1], t) "
+                "(docs/ode.md: complex states)"
+            )
 
 
 def _ravels_like(out, y0):
@@ -327,7 +387,7 @@ def _make_stepper(method, max_step=float("inf")):
 
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
-           options, solver, check, progress=None):
+           options, solver, check, progress=None, record=0, log=0):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state and times vary with the problem (one type for the loops'
     # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
@@ -370,34 +430,56 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure,
                                     progress=progress)
     else:
-        solve = _adjoint.make_solve(
-            _make_stepper(method, max_step),
-            G,
-            y0_flat.size,
-            on_failure=on_failure,
-            report=report,
-            adjoint=adjoint,
-            window=window,
-            max_steps=max_steps,
-            progress=progress,
+        E = ev_theta = ev_const = None
+        if event is not None:
+            E, ev_theta, ev_const = _event_values(event, y0, ts, args, unravel, is_float,
+                                                  treedef, dtype)
+        terminal = event is not None and not log
+
+        def make_solve(**kw):
+            return _adjoint.make_solve(
+                _make_stepper(method, max_step), G, y0_flat.size, on_failure=on_failure,
+                report=report, adjoint=adjoint, window=window, max_steps=max_steps, **kw,
+            )
+
+        solve = make_solve(
+            progress=progress, record=0 if terminal else record, event=E, log=log,
+            direction=direction,
         )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
     extra = {}
-    if event is None:
-        zs, stats = solve(y0_flat, ts, theta, const, ctl)
+    rec = None
+    if event is None or log:
+        ev = ((), ()) if event is None else (ev_theta, ev_const)
+        out = solve(y0_flat, ts, theta, const, ctl, *(() if adjoint == "forward" else (ev,)))
+        zs, stats = out[:2]
+        if record:
+            rec = out[2]
+        if log:
+            # Not differentiated (documented): the cotangents of the crossings are dropped.
+            lg = jax.lax.stop_gradient(out[-1])
+            extra = dict(
+                event_time=lg.t,
+                event_state=jax.vmap(unravel)(lg.z),
+                event_index=lg.index,
+                num_events=lg.count,
+            )
     else:
-        E, ev_theta, ev_const = _event_values(event, y0, ts, args, unravel, is_float,
-                                              treedef, dtype)
         event_solve = _events.make_event_solve(
-            _make_stepper(method, max_step), G, E, y0_flat.size, solve, direction=direction
+            _make_stepper(method, max_step), G, E, y0_flat.size, solve, direction=direction,
+            record=record,
         )
-        zs, stats, result = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
+        out = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
+        zs, stats, result = out[:3]
+        if record:
+            rec = out[3]
         extra = dict(
             event_time=result.t,
             event_state=unravel(result.z),
             event_index=jax.lax.stop_gradient(result.index),
         )
     stats = jax.tree.map(jax.lax.stop_gradient, stats)
+    terminal = event is not None and not log
     info = ODEInfo(
         converged=stats.status == _status.CONVERGED,
         num_steps=stats.num_steps,
@@ -407,12 +489,23 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         num_fevals=stats.num_fevals,
         num_jacobians=stats.num_jacobians,
         num_factorizations=stats.num_factorizations,
-        t_final=stats.t if event is None else jnp.where(
+        t_final=stats.t if not terminal else jnp.where(
             jnp.isfinite(extra["event_time"]), jax.lax.stop_gradient(extra["event_time"]),
             stats.t),
         status=stats.status,
         **extra,
     )
+    if record:
+        # The span covered ends at the time reached (or the event); a failure under
+        # on_failure="nan" covers nothing (NaN everywhere), under "ignore" what was reached.
+        t_end = info.t_final
+        if on_failure == "nan":
+            t_end = jnp.where(info.converged, t_end, jnp.nan)
+        solution = ODESolution(
+            jax.lax.stop_gradient(rec), t_end, ts[0], y0_flat, theta, const, ctl,
+            solve=make_solve(), unravel=unravel,
+        )
+        info = info._replace(solution=solution)
     if event is None:
         if adjoint == "forward" and on_failure == "nan":
             # NaN values and NaN tangents (the policy's `where` would give the failed
@@ -556,7 +649,7 @@ def _message(solver, max_steps, event=None):
             f"failed at t={t:.6g} after {steps} steps, {rejected} rejected, last error ratio "
             f"{ratio:.3g}"
         )
-        if event is not None and np.isnan(np.asarray(info.event_time)[first]):
+        if event is not None and np.any(np.isnan(np.asarray(info.event_time)[first])):
             name = getattr(event, "__qualname__", type(event).__name__)
             text = (f"the event function {name} returned NaN or inf (a non-finite event "
                     f"value) at or before t={t:.6g}; {text}")
