@@ -154,9 +154,12 @@ def _bwd(solve, res, g):
     record, t_end, t0, z0, theta, const, ctl, t = res
     dtype = z0.dtype
     inside = _inside(record, t_end, t)
-    after_t0 = jnp.nextafter(t0, jnp.asarray(jnp.inf, dtype))
-    # Where the time is outside the span (no derivative), integrate to a time inside.
-    te = jnp.clip(jnp.where(inside, t, after_t0), after_t0, jnp.maximum(t_end, after_t0))
+    # At t0 itself, integrate over a span of a few ulps of the times (y and its
+    # derivatives are y0's to round-off); outside the span, to its end (then dropped).
+    eps = jnp.finfo(dtype).eps
+    after_t0 = t0 + 16 * eps * jnp.maximum(jnp.abs(t0), jnp.abs(t_end - t0))
+    t_end_ok = jnp.where(jnp.isfinite(t_end), t_end, after_t0)
+    te = jnp.clip(jnp.where(inside, t, t_end_ok), after_t0, jnp.maximum(t_end_ok, after_t0))
     g_used = jnp.where(inside[:, None], g, 0)
 
     def one(te_k, g_k):
@@ -171,12 +174,15 @@ def _bwd(solve, res, g):
     ok = status == _status.CONVERGED
     # A cotangent on a value outside the span (NaN) has no derivative: NaN, not zero.
     wanted = jnp.any(g != 0, axis=1)
-    bad = (~inside & wanted) | (~ok & (inside & wanted))
-    nan_if = lambda v: jnp.where(  # noqa: E731
-        bad.reshape(bad.shape + (1,) * (v.ndim - 1)), jnp.nan, v)
+    bad = (~inside | ~ok) & wanted
+
+    def nan_if(v):  # the unwanted times contribute nothing (even a NaN), the bad NaN
+        shape = bad.shape + (1,) * (v.ndim - 1)
+        v = jnp.where(wanted.reshape(shape), v, 0)
+        return jnp.where(bad.reshape(shape), jnp.nan, v)
     z0_bar = jnp.sum(nan_if(z0_bar), axis=0)
     t0_bar = jnp.sum(nan_if(t0_bar), axis=0)
-    t_bar = jnp.where(bad, jnp.nan, t_bar)
+    t_bar = nan_if(t_bar)
     theta_bar = jax.tree.map(lambda v: jnp.sum(nan_if(v), axis=0), theta_bar)
     return None, None, t0_bar, z0_bar, theta_bar, None, None, t_bar
 
