@@ -169,12 +169,31 @@ def odeint(
     (a crossing where ``g`` is tangent, ``g_y·f + g_t = 0``, has no derivative). A
     component that starts exactly at zero does not count as crossing until it leaves
     zero and comes back: restarting from an event state, pass ``event_direction`` so that
-    the round-off side of zero does not fire at once.
+    the round-off side of zero does not fire at once. With ``event_terminal=False`` the
+    events do not stop anything: every crossing is located the same way as it happens
+    and the first ``max_events`` are kept (``info.event_time`` etc. with a leading axis of
+    ``max_events``, ``info.num_events`` the count); those times are not differentiated
+    (``stop_gradient``: their gradient is zero; use a terminal event for a
+    differentiable crossing time). Two crossings of one component inside one step (a
+    sign change undone within it) are not seen, by either kind.
+
+    Dense output: with ``dense=B`` (and ``full_output=True``), ``info.solution`` is an
+    :class:`ODESolution` keeping the continuous extension of the last ``B`` accepted steps
+    (``dense=True``: every step, ``B = max_steps``); ``info.solution.evaluate(t)`` is the
+    state at any ``t`` of the span covered (NaN outside it: before the oldest step kept,
+    when ``B`` was too small, ``info.solution.complete`` is False; after the time
+    reached). Its reverse-mode derivative at a fixed ``t`` (with respect to ``y0``,
+    ``args``, ``ts[0]`` and ``t``) integrates once more, from ``ts[0]`` to ``t``, and runs
+    this call's adjoint: one integration and its adjoint per time evaluated.
+
+    Complex states are not supported: integrate the real and imaginary parts as a real
+    state (``jnp.stack([z.real, z.imag])``; docs/ode.md).
 
     Args:
       f: ``f(y, t, *args)``, returning a pytree with the structure, shapes and dtypes of
         ``y``.
-      y0: initial state (pytree of arrays; ints are promoted to float).
+      y0: initial state (pytree of real arrays: float32, float64 with x64; ints and bools
+        are promoted to float; complex is refused, see above).
       ts: strictly increasing 1-D array of output times; ``ts[0]`` is the initial time.
       *args: parameters (pytrees of arrays), differentiated.
       method: ``"dopri5"`` (default), ``"tsit5"``, ``"kvaerno5"`` or ``"bdf"`` (stiff).
@@ -211,6 +230,12 @@ def odeint(
         ``vmap``, once per batch element). Eager and under ``jit`` alike (a
         ``jax.debug.callback`` in the step loop of the forward integration; the backward
         passes report nothing). ``None`` (default): nothing is traced.
+      dense: ``None`` (default), a capacity ``B`` (the accepted steps kept, the last
+        ones) or ``True`` (every step); needs ``full_output=True``; see above. Memory:
+        ``B x (degree + 1) x len(y0)`` floats (degree 4 for dopri5 and tsit5).
+      event_terminal: ``True`` (default): the first crossing stops the integration;
+        ``False``: every crossing is recorded and the integration goes on.
+      max_events: the crossings kept with ``event_terminal=False`` (default 64).
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -236,6 +261,17 @@ def odeint(
       ...                           full_output=True)
       >>> print(round(float(info.event_time), 4), round(float(ys[-1]), 4))  # 2 log 4
       2.7726 0.25
+
+      Dense output, and the zeros of ``sin t`` (non-terminal events):
+
+      >>> osc = lambda y, t: jnp.stack([y[1], -y[0]])  # (sin t, cos t) from (0, 1)
+      >>> ys, info = solvers.odeint(osc, jnp.array([0.0, 1.0]), jnp.array([0.0, 7.0]),
+      ...                           dense=True, event=lambda y, t: y[0],
+      ...                           event_terminal=False, max_events=4, full_output=True)
+      >>> print([round(float(y), 4) for y in info.solution.evaluate(jnp.array([0.5, 6.5]))[:, 0]])
+      [0.4794, 0.2151]
+      >>> print(int(info.num_events), [round(float(t), 4) for t in info.event_time])  # π, 2π
+      2 [3.1416, 6.2832, inf, inf]
     """
     opts = _runner.options(
         f, "f", rtol=rtol, atol=atol, max_steps=max_steps, on_failure=on_failure,
