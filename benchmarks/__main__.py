@@ -77,8 +77,8 @@ def report_lines(text):
     """The headings, tables and best-peer lines of a run's output (not the progress lines)."""
     keep = [line for line in text.splitlines()
             if line.startswith(("#", "|", "- ", "best peer")) or not line.strip()]
-    # Headings one level down: the report is included under the page's own heading.
-    keep = ["#" + line if line.startswith("#") else line for line in keep]
+    # Headings two levels down: the report is included under a section of the docs page.
+    keep = ["##" + line if line.startswith("#") else line for line in keep]
     out = []
     for line in keep:  # no runs of blank lines
         if line.strip() or (out and out[-1].strip()):
