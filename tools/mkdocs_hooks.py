@@ -78,3 +78,10 @@ def on_post_build(config):
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(static, target)
+    # The package ships the STIX-Web fonts only (as Jupyter uses them): say so.
+    (target / "config" / "local").mkdir(exist_ok=True)
+    (target / "config" / "local" / "site.js").write_text(
+        'MathJax.Hub.Config({"HTML-CSS": {availableFonts: [], preferredFont: null, '
+        'webFont: "STIX-Web", imageFont: null}});\n'
+        'MathJax.Ajax.loadComplete("[MathJax]/config/local/site.js");\n'
+    )

@@ -266,7 +266,7 @@ def odeint(
 
       >>> osc = lambda y, t: jnp.stack([y[1], -y[0]])  # (sin t, cos t) from (0, 1)
       >>> ys, info = solvers.odeint(osc, jnp.array([0.0, 1.0]), jnp.array([0.0, 7.0]),
-      ...                           dense=True, event=lambda y, t: y[0],
+      ...                           dense=64, event=lambda y, t: y[0],
       ...                           event_terminal=False, max_events=4, full_output=True)
       >>> print([round(float(y), 4) for y in info.solution.evaluate(jnp.array([0.5, 6.5]))[:, 0]])
       [0.4794, 0.2151]
