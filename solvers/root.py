@@ -88,7 +88,8 @@ def root(
       method: ``"newton"``, ``"chord"``, ``"broyden"`` or ``"dogleg"`` (trust region;
         dense Jacobian; ``line_search`` and ``history_size`` do not apply).
       jacobian: ``"dense"`` (``jax.jacfwd`` and LU), ``"matfree"`` (GMRES on ``jax.jvp``;
-        no Jacobian is formed) or ``"auto"`` (dense up to ``DENSE_MAX_SIZE`` unknowns).
+        no Jacobian is formed) or ``"auto"`` (dense up to ``DENSE_MAX_SIZE`` (500)
+        unknowns).
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
