@@ -14,6 +14,9 @@ from scipy.integrate import solve_ivp
 
 import solvers
 from solvers.ode import odeint
+# The linear test systems and their closed-form gradients (eigendecomposition).
+from test_ode_gradients import linear_system
+from test_ode_gradients import oracle as linear_gradient_oracle
 
 # --- problems --------------------------------------------------------------------------
 
@@ -46,26 +49,6 @@ def robertson_radau(k, ts, rtol):
 
 def linear(y, t, A):
     return A @ y
-
-
-def linear_system(seed, lams):
-    rng = np.random.default_rng(seed)
-    n = len(lams)
-    V = np.eye(n) + 0.4 * rng.normal(size=(n, n)) / np.sqrt(n)
-    A = V @ np.diag(lams) @ np.linalg.inv(V)
-    return A, V, rng.normal(size=n), rng.normal(size=n)
-
-
-def linear_gradient_oracle(V, lams, y0, c, T):
-    """``(dL/dA, dL/dy0)`` of ``L = c · y(T)``, ``y' = Ay``, from the eigendecomposition."""
-    lams = np.asarray(lams, float)
-    Vinv = np.linalg.inv(V)
-    p, q = V.T @ c, Vinv @ y0
-    e = np.exp(lams * T)
-    diff = lams[:, None] - lams[None, :]
-    same = np.abs(diff) < 1e-12
-    phi = np.where(same, T * e[:, None], (e[:, None] - e[None, :]) / np.where(same, 1, diff))
-    return Vinv.T @ (phi * np.outer(p, q)) @ V.T, Vinv.T @ (e * p)
 
 
 def van_der_pol(y, t, mu):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from solvers.ode import _integrate
+from solvers.ode import _adjoint, _integrate
 
 __all__ = ["make_solve"]
 
@@ -36,18 +36,6 @@ def _zero_tangent(x):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _diff_of(stepper):
-    """``(s, z, cache, h, ks) -> (z1, accept_cache, ks)``: the step as differentiated."""
-    if stepper.diff_step is not None:
-        return stepper.diff_step
-
-    def diff_step(s, z, cache, h, ks_star):
-        z1, _, ks, cache_acc, _, _, _ = stepper.step(s, z, cache, h)
-        return z1, cache_acc, ks
-
-    return diff_step
 
 
 def _join(a, b):
@@ -174,7 +162,7 @@ def _augment(stepper_of, G, G_ctrl, N):
         base = stepper_of(theta, const, rtol, atol, order + 1)
 
         def diff_of(th):
-            return _diff_of(stepper_of(th, const, rtol, atol, order + 1))
+            return _adjoint._diff_step(stepper_of(th, const, rtol, atol, order + 1))
 
         def tangents(s, z, cache, h, ks_star, S, dcache):
             def along(dz, dc, dth):

@@ -518,16 +518,18 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     def step_loop(target, carry):
         clip_to = target if (jumps or stepper.lands) else t_end
 
+        def going(ctrl):
+            return (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
+
         def cond(c):
             ctrl = Controller.unpack(c.ctrl)
-            going = (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
-            return going if event is None else going & ~c.ev.fired
+            return going(ctrl) if event is None else going(ctrl) & ~c.ev.fired
 
         def body(c):
             ctrl, z, cache, last_step, rec, ck, ev = c
             ctrl = Controller.unpack(ctrl)
             # Under vmap the body also runs for the elements already done: not a step.
-            active = (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
+            active = going(ctrl) if progress is not None else None
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
             if event is not None:
                 g1 = event(z, ctrl.s)

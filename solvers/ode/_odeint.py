@@ -292,10 +292,10 @@ def odeint(
     if event is not None:
         _checks.check_callable(event, "event")
     _checks.check_choice(event_direction, "event_direction", EVENT_DIRECTIONS)
-    if progress is not None and progress is not False and progress is not True:
-        _checks.check_callable(progress, "progress")
     if progress is False:
         progress = None
+    if progress is not None and progress is not True:
+        _checks.check_callable(progress, "progress")
     if adjoint == "forward" and method == "bdf":
         raise ValueError(
             "adjoint='forward' supports method='dopri5', 'tsit5' and 'kvaerno5', not 'bdf' "
@@ -440,9 +440,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     const = tuple(leaf for leaf, fl in zip(leaves, is_float) if not fl)
 
     def G(u, s, theta, const):
-        it_theta, it_const = iter(theta), iter(const)
-        merged = [next(it_theta) if fl else next(it_const) for fl in is_float]
-        args, consts = jax.tree.unflatten(treedef, merged)
+        args, consts = jax.tree.unflatten(treedef, _merge(theta, const, is_float))
         dy = fn(unravel(u), s, *args, *consts)
         return ravel_pytree(dy)[0].astype(dtype)
 
@@ -572,6 +570,12 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     return jax.vmap(unravel)(zs), info._replace(event_time=t_e, event_state=z_e)
 
 
+def _merge(floating, other, is_float):
+    """The leaves split by ``is_float`` (differentiated, not), back in their order."""
+    it_f, it_o = iter(floating), iter(other)
+    return [next(it_f) if fl else next(it_o) for fl in is_float]
+
+
 def _event_values(event, y0, ts, args, unravel, is_float, treedef, dtype):
     """``E(u, s, theta, const, ev_theta, ev_const) -> (E,)``, the raveled event values, and
     the floating and other values the event function closes over (its own parameters)."""
@@ -589,11 +593,8 @@ def _event_values(event, y0, ts, args, unravel, is_float, treedef, dtype):
     ev_const = tuple(c for c, fl in zip(ev_consts, ev_float) if not fl)
 
     def E(u, s, theta, const, ev_theta, ev_const):
-        it_theta, it_const = iter(theta), iter(const)
-        merged = [next(it_theta) if fl else next(it_const) for fl in is_float]
-        args, _ = jax.tree.unflatten(treedef, merged)
-        it_t, it_c = iter(ev_theta), iter(ev_const)
-        consts = [next(it_t) if fl else next(it_c) for fl in ev_float]
+        args, _ = jax.tree.unflatten(treedef, _merge(theta, const, is_float))
+        consts = _merge(ev_theta, ev_const, ev_float)
         g = ev_fn(unravel(u), s, *args, *consts)
         return ravel_pytree(g)[0].astype(dtype)
 
