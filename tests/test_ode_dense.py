@@ -257,6 +257,27 @@ def test_nonterminal_sine_zeros_are_k_pi(x64, method):
     assert np.all(np.isnan(np.asarray(info.event_state[n:])))
 
 
+def thresholds(y, t, k):
+    return y - jnp.array([0.8, 0.5, 0.3, 0.1])
+
+
+def test_nonterminal_kvaerno5_crossings_are_refined_on_its_own_steps(x64):
+    # Four thresholds of y = exp(-k t), crossed at log(1/c)/k. kvaerno5's crossings are
+    # refined on a step of the method (its cubic Hermite continuous extension is two orders
+    # below its steps): at rtol = 1e-6 the extension's roots were up to 1.2e-6 (relative)
+    # off, refined they are within 1.1e-7.
+    k, cs = 0.7, np.array([0.8, 0.5, 0.3, 0.1])
+    _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, event=thresholds,
+                     event_terminal=False, max_events=8, method="kvaerno5", rtol=1e-6,
+                     atol=1e-12, full_output=True)
+    t_exact = np.log(1 / cs) / k
+    assert int(info.num_events) == 4
+    np.testing.assert_array_equal(np.asarray(info.event_index[:4]), [0, 1, 2, 3])
+    np.testing.assert_array_less(np.abs(np.asarray(info.event_time[:4]) - t_exact) / t_exact,
+                                 2e-7)
+    np.testing.assert_allclose(np.asarray(info.event_state[:4]), cs, rtol=1e-12)
+
+
 def test_nonterminal_direction_and_several_components_in_time_order(x64):
     # Rising zeros of sin: 2π, 4π; of both sin and cos, merged in time order.
     y0, ts = jnp.array([0.0, 1.0]), jnp.array([0.0, 13.0])

@@ -3,7 +3,9 @@
 The forward pass is the ordinary stepping loop with the event values checked after every
 accepted step (:func:`solvers.ode._integrate.integrate` with ``event=``): it stops after
 the step across which a component changed sign and locates the crossing on that step's
-continuous extension. Rows of the output past the event hold the state there.
+continuous extension (refined on a step of the method itself where the method has a
+:attr:`~solvers.ode._integrate.Stepper.restep`: kvaerno5). Rows of the output past the
+event hold the state there; the backward pass below linearises at that time and state.
 
 The gradient (a ``jax.custom_vjp``) comes from the implicit function theorem on
 ``g(y(t_e; θ), t_e, θ) = 0``:

@@ -91,6 +91,17 @@ class Stepper(NamedTuple):
     # the error ratio and the cache after the step (a multistep method picks its order and
     # step size together: bdf). None: the PI controller (beta1, beta2).
     control: Any = None
+    # ``restep(s, z, ks, h) -> (z1, k1, ok, counts)``: a step of size ``h`` (no error
+    # control) from the start ``(s, z)`` of an accepted step whose stage derivatives were
+    # ``ks``: the new state, the derivative there, whether its stage solves succeeded and
+    # ``(fevals, jacobians, factorizations)``. Given, an event crossing is refined on the
+    # method's own steps (:func:`refine_crossing`): for a method whose continuous extension
+    # is two orders below its steps (kvaerno5's cubic Hermite against a fifth-order
+    # step), whose error it then removes. None: the crossing is the continuous extension's
+    # root; for dopri5 and tsit5 (fourth-order extension) that error is of the order of the
+    # global error at the step's start and re-stepping did not lower the event time's
+    # error (measured), and bdf's interpolant is of its step's own order.
+    restep: Any = None
 
 
 class Record(NamedTuple):
@@ -277,37 +288,86 @@ def _crossing_thetas(event, last_step, dense, cross):
     return theta, state, finite
 
 
-def locate_event(event, last_step, dense, g_start, g_end, cross):
-    """The first crossing inside an accepted step, on its continuous extension.
+def refine_crossing(event, restep, last_step, theta, j, state):
+    """Event component ``j``'s crossing near ``s + θh`` (its root on the step's continuous
+    extension), refined on an actual step of the method.
 
-    ``event(z, s) -> (E,)``; ``last_step``: the step (start, size, state, stages);
+    With ``y(t)`` the method's own step from the step's start ``s`` to ``t`` (``restep``:
+    the same method, no error control), one Newton step on ``φ(t) = g_j(y(t), t)`` from
+    the continuous extension's root ``t_0``: ``t = t_0 - φ(t_0) / φ'(t_0)``, with the
+    derivative along the solution ``φ' = g_y · f(y, t) + g_t`` (one ``jax.jvp`` of the
+    event function; ``f`` is the step's last stage derivative, at its new state). The state
+    is moved to ``t`` to first order, ``y(t_0) + f Δt``. ``t_0`` is already within the
+    continuous extension's error of the root, so what the Newton step leaves (of order
+    ``Δt²``) is far below the step's own error. A correction that would leave the step
+    ``[s, s + h]`` or that is not finite (``φ' = 0``: a tangential crossing), or a re-step
+    whose stage solves did not converge, keeps the continuous extension's root and state;
+    a re-stepped state or event value that is not finite is a failure (``finite`` False).
+
+    ``state(θ)``: the continuous extension. Returns ``(t, z, finite, counts)``, ``counts``
+    the ``(fevals, jacobians, factorizations)`` the re-step spent.
+    """
+    s, h, z0, ks = last_step
+    t0 = jnp.where(theta == 1, s + h, s + theta * h)
+    y, k1, ok, counts = restep(s, z0, ks, t0 - s)
+    g, dg = jax.jvp(lambda y, t: event(y, t)[j], (y, t0), (k1, jnp.ones_like(t0)))
+    finite = jnp.all(jnp.isfinite(y)) & jnp.isfinite(g)
+    dt = -g / dg
+    t = t0 + dt
+    use = ok & finite & jnp.isfinite(dt) & (t >= s) & (t <= s + h)
+    t = jnp.where(use, t, t0)
+    z = jnp.where(use, y + k1 * dt, state(theta))
+    return t, z, finite, tuple(jnp.asarray(c, jnp.int32) for c in counts)
+
+
+def locate_event(event, restep, last_step, dense, g_start, g_end, cross):
+    """The first crossing inside an accepted step.
+
+    ``event(z, s) -> (E,)``; ``restep``: the method's :attr:`Stepper.restep` (None: the
+    interpolant's root stands); ``last_step``: the step (start, size, state, stages);
     ``g_start``/``g_end``: the event values at its ends; ``cross``: the components that
-    changed sign. Each crossing component's root in ``θ ∈ [0, 1]`` (``t = s + θ h``) is
-    found by Chandrupatla's method (:mod:`solvers.bracket`'s steps) to a few ulps of the
-    time; the earliest one wins. Returns ``(t, z, index, finite)``.
+    changed sign. Each crossing component's root in ``θ ∈ [0, 1]`` (``t = s + θ h``) on
+    the step's continuous extension is found by Chandrupatla's method
+    (:mod:`solvers.bracket`'s steps) to a few ulps of the time; the earliest one wins, and
+    is refined on the method's own steps (:func:`refine_crossing`). Returns ``(t, z,
+    index, finite, counts)``.
     """
     s, h = last_step[0], last_step[1]
     theta, state, finite = _crossing_thetas(event, last_step, dense, cross)
     j = jnp.argmin(theta)
     th = theta[j]
-    t = jnp.where(th == 1, s + h, s + th * h)
-    return t, state(th), j.astype(jnp.int32), finite
+    if restep is None:
+        t = jnp.where(th == 1, s + h, s + th * h)
+        return t, state(th), j.astype(jnp.int32), finite, (0, 0, 0)
+    th = jnp.where(jnp.isfinite(th), th, 0)  # (no crossing: unused)
+    t, z, ok, counts = refine_crossing(event, restep, last_step, th, j, state)
+    return t, z, j.astype(jnp.int32), finite & ok, counts
 
 
-def log_crossings(event, last_step, dense, cross, log, t0):
+def log_crossings(event, restep, last_step, dense, cross, log, t0):
     """Append every crossing inside an accepted step to an :class:`EventLog`, earliest
-    first (non-terminal events). Returns ``(log, finite)``."""
+    first (non-terminal events), each refined as :func:`locate_event` does. Returns
+    ``(log, finite, counts)``."""
     s, h = last_step[0], last_step[1]
     dtype = last_step[2].dtype
     M = log.t.shape[0]
+    E = cross.shape[0]
     theta, state, finite = _crossing_thetas(event, last_step, dense, cross)
-    order = jnp.argsort(theta)  # the components that did not cross (inf) last
-    th = theta[order]
-    ok = jnp.isfinite(th)
-    th0 = jnp.where(ok, th, 0)
-    t = jnp.where(th0 == 1, s + h, s + th0 * h)
+    ok = jnp.isfinite(theta)
+    th0 = jnp.where(ok, theta, 0)
+    counts = (jnp.zeros((), jnp.int32),) * 3
+    if restep is None:
+        t = jnp.where(th0 == 1, s + h, s + th0 * h)
+        z = jax.vmap(state)(th0)
+    else:
+        t, z, good, counts = jax.vmap(
+            lambda th, j: refine_crossing(event, restep, last_step, th, j, state)
+        )(th0, jnp.arange(E))
+        finite = finite & jnp.all(good | ~ok)
+        counts = tuple(jnp.sum(jnp.where(ok, c, 0)).astype(jnp.int32) for c in counts)
+    order = jnp.argsort(jnp.where(ok, t, jnp.inf))  # the components that did not cross last
+    t, z, ok = t[order], z[order], ok[order]
     t = jnp.maximum(t, jnp.nextafter(t0, jnp.asarray(jnp.inf, dtype)))  # after the start
-    z = jax.vmap(state)(th0)
     pos = log.count + jnp.cumsum(ok.astype(jnp.int32)).astype(jnp.int32) - 1
     slot = jnp.where(ok & (pos < M), pos, M)  # M: dropped (full, or no crossing)
     log = EventLog(
@@ -316,7 +376,19 @@ def log_crossings(event, last_step, dense, cross, log, t0):
         index=log.index.at[slot].set(order.astype(jnp.int32), mode="drop"),
         count=(log.count + jnp.sum(ok.astype(jnp.int32))).astype(jnp.int32),
     )
-    return log, finite
+    return log, finite, counts
+
+
+def _count(ctrl, counts, where=True):
+    """``ctrl`` with ``(fevals, jacobians, factorizations)`` added (where ``where``)."""
+    fevals, jacobians, factorizations = (
+        jnp.where(where, jnp.asarray(c, jnp.int32), 0) for c in counts
+    )
+    return ctrl._replace(
+        num_fevals=(ctrl.num_fevals + fevals).astype(jnp.int32),
+        num_jacobians=(ctrl.num_jacobians + jacobians).astype(jnp.int32),
+        num_factorizations=(ctrl.num_factorizations + factorizations).astype(jnp.int32),
+    )
 
 
 def valid_times(ts):
@@ -429,8 +501,9 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     and strictly increasing (traced ``ts``) skip the integration: status ``INVALID_INPUT``.
     With ``event(z, s) -> (E,)`` (dense mode) the loop also stops after the first accepted
     step across which an event component changes sign (:func:`crossings`); the crossing is
-    then located on that step's continuous extension (:func:`locate_event`), once, after
-    the loop, and the outputs past it hold the state there. With ``log=M > 0`` the events
+    then located on that step's continuous extension (:func:`locate_event`; refined on a
+    step of the method with :attr:`Stepper.restep`), once, after the loop, and the
+    outputs past it hold the state there. With ``log=M > 0`` the events
     are non-terminal instead: every crossing is located on its step as it happens and kept
     in an :class:`EventLog` of ``M`` slots, and the integration goes on.
     ``progress(t, accepted, t0, t_end)``, if given, runs on the host after every attempted
@@ -539,15 +612,17 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 bad = accept & ~ok
                 lg = ev.log
                 if log:  # non-terminal: keep every crossing and go on
-                    lg, found = jax.lax.cond(
+                    zero = jnp.zeros((), i32)
+                    lg, found, counts = jax.lax.cond(
                         fired,
-                        lambda lg: log_crossings(event, (s, h, z_old, ks), dense, cross, lg,
-                                                 t0),
-                        lambda lg: (lg, jnp.ones((), bool)),
+                        lambda lg: log_crossings(event, stepper.restep, (s, h, z_old, ks),
+                                                 dense, cross, lg, t0),
+                        lambda lg: (lg, jnp.ones((), bool), (zero, zero, zero)),
                         lg,
                     )
                     bad = bad | ~found
                     fired = jnp.zeros((), bool)
+                    ctrl = _count(ctrl, counts)
                 ev = EventCarry(
                     g=jnp.where(accept & ok, g1, ev.g),
                     g_start=jnp.where(accept, ev.g, ev.g_start),
@@ -626,9 +701,10 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     elif event is not None:
         ev = carry.ev
         reached_end = reached_end | ev.fired
-        t_e, z_e, index, finite = locate_event(
-            event, carry.last_step, dense, ev.g_start, ev.g, ev.cross
+        t_e, z_e, index, finite, counts = locate_event(
+            event, stepper.restep, carry.last_step, dense, ev.g_start, ev.g, ev.cross
         )
+        ctrl = _count(ctrl, counts, ev.fired)
         fired = ev.fired & finite
         bad = ev.bad | (ev.fired & ~finite)
         # Strictly after the start and no later than the end (round-off at θ = 0 or 1).

@@ -160,8 +160,11 @@ def odeint(
     those at the step's start; at the first step across which one changed sign (in
     ``event_direction``), the crossing time is located on that step's continuous extension
     by Chandrupatla's bracketed method to a few ulps (so to the accuracy of the solution,
-    ``rtol``/``atol``), and the rows of ``ys`` for output times past it hold the state
-    there. ``info.event_time``, ``info.event_state`` and ``info.event_index`` say where
+    ``rtol``/``atol``; kvaerno5, whose continuous extension is two orders below its
+    steps, then takes one Newton step on a step of the method itself from the step's
+    start to that time, one more step's right-hand side and Jacobian evaluations), and
+    the rows of ``ys`` for output times past it hold the state there.
+    ``info.event_time``, ``info.event_state`` and ``info.event_index`` say where
     (``inf``, NaN and -1 when no event fired: an ordinary result). The event time and
     state are differentiable (first order, any ``adjoint``): by the implicit function
     theorem on ``g(y(t_e), t_e) = 0``, ``dt_e/dθ = -(g_y·∂y(t_e)/∂θ + g_θ) / (g_y·f + g_t)``,
