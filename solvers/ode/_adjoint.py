@@ -52,12 +52,32 @@ def _flat(tree, dtype):
 
 
 def _unflat(flat, like):
+    """The parameters' cotangent ``flat`` as a pytree like ``theta`` (``like``).
+
+    Under ``shard_map``, ``odeint`` casts its arguments to vary with the state, so a
+    cotangent varies where its parameter does. A value that ``f`` closes over cannot be
+    cast before ``f`` is traced: one that does not vary while the state does gets a
+    cotangent summed over the devices inside every step's derivative (a collective in
+    loops whose trip counts differ between devices), typed as varying. That is refused
+    here, with the way out, rather than by JAX's type check of the rule.
+    """
     leaves, treedef = jax.tree.flatten(like)
     out, start = [], 0
     for leaf in leaves:
         size = jnp.size(leaf)
         out.append(flat[start : start + size].reshape(jnp.shape(leaf)).astype(leaf.dtype))
         start += size
+        extra = _sharding.varying(out[-1]) - _sharding.varying(leaf)
+        if extra:
+            raise ValueError(
+                "odeint under shard_map: f (or event) closes over a traced floating value "
+                f"that does not vary over the mesh axes {sorted(extra)} while the solve "
+                "does (a replicated parameter), and the solve is differentiated. Pass it "
+                "to odeint as an argument instead (odeint(f, y0, ts, k) with f(y, t, k)), "
+                "or close over jax.lax.pcast(k, axes, to='varying'): arguments are cast "
+                "to vary with the state, and JAX sums their gradients over the devices "
+                "once, where it transposes the cast."
+            )
     return jax.tree.unflatten(treedef, out)
 
 
