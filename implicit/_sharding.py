@@ -275,7 +275,7 @@ def cond(pred, true_fun, false_fun, *operands):
     return jax.lax.cond(pred, typed(true_fun), typed(false_fun), *operands)
 
 
-def cond_once(pred, true_fun, false_fun, *operands):
+def cond_once(pred, true_fun, false_fun, *operands, explicit=True):
     """``cond(pred, true_fun, false_fun, *operands)`` for a costly, rarely taken
     ``true_fun``, as a loop of at most one trip where arrays may be sharded (inside
     ``shard_map`` or on an Explicit mesh; :func:`cond` elsewhere).
@@ -287,8 +287,12 @@ def cond_once(pred, true_fun, false_fun, *operands):
     collective"); on an Explicit mesh it batches the constants the branches close over,
     which belong to no mesh. A loop's batched form takes ``true_fun`` only while some
     element needs it, with its carries (the result) typed alike by :func:`while_loop`.
+    ``explicit=False`` keeps the ``cond`` on an Explicit mesh (the loop form is only
+    needed inside ``shard_map``), where the loop form fails for branches that close over
+    values of no mesh ("Resource axis ... is not found in mesh").
     """
-    if not context_manual_axes() and _explicit_mesh((pred, operands)) is None:
+    explicit = explicit and _explicit_mesh((pred, operands)) is not None
+    if not context_manual_axes() and not explicit:
         return cond(pred, true_fun, false_fun, *operands)
     out = false_fun(*operands)
     _, out = while_loop(

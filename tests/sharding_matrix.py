@@ -212,6 +212,8 @@ def _replicated_problems():
     return {
         "odeint": ode(),  # the discrete adjoint
         "odeint_backsolve": ode(adjoint="backsolve"),
+        "odeint_kvaerno5": ode(method="kvaerno5"),
+        "odeint_bdf": ode(method="bdf"),
         "bisection": vmapped(bisection),
         "broyden": vmapped(broyden),
         "whole_anderson": whole_anderson,

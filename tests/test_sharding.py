@@ -75,12 +75,13 @@ def test_matrix_full():
 def test_gradient_of_a_replicated_parameter_under_shard_map():
     """Under shard_map (check_vma), the gradient with respect to a parameter that does
     not vary over the mesh (in_specs=P(), or closed over by the body) of a vmapped
-    odeint (discrete and backsolve adjoints), bisection and Broyden, and of a
+    odeint (dopri5 with the discrete and backsolve adjoints, kvaerno5, bdf), bisection
+    and Broyden, and of a
     whole-batch Anderson solve, equals the whole batch's gradient without shard_map
     (float64, 1e-10); an f closing over such a traced parameter is refused, saying what
     to do."""
     _, cases = _matrix("--replicated")
-    assert len(cases) == 7
+    assert len(cases) == 9
     _check(cases)
 
 

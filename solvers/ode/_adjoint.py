@@ -539,9 +539,14 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         st = stepper_of(theta)
         if explicit:
             z1, err, ks, cache1, _, _, _ = st.step(s, z, cache, h)
-            return z1, cache1, h * (dense @ ks), err
-        z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
-        return z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+            out = z1, cache1, h * (dense @ ks), err
+        else:
+            z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
+            out = z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+        # shard_map: every output varies as the cotangents do (a cache entry computed
+        # from constants alone, as BDF's are, is otherwise invariant, and its varying
+        # cotangent is refused; it reaches no input: the cast's transpose is dropped).
+        return _sharding.vary_like(out, (z, cache, theta))
 
     def substeps(z, theta, s, h):
         # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
@@ -634,7 +639,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lambda c: c[0] >= 0, segment, init
     )
     # The first cache (the derivative at y0) is a function of y0 and the parameters.
-    _, vjp = jax.vjp(lambda z, th: stepper_of(th).init(ts[0], z), zs[0], theta)
+    _, vjp = jax.vjp(
+        lambda z, th: _sharding.vary_like(stepper_of(th).init(ts[0], z), (z, th)), zs[0], theta
+    )
     dz, dtheta = vjp(lam_cache)
     lam = lam_z + dz
     theta_bar = theta_bar + _flat(dtheta, dtype)
