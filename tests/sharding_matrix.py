@@ -163,6 +163,21 @@ def _odeint():
     return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
 
 
+def _whole_odeint():
+    """One integration of the whole (sharded) state, one decay rate per component (not
+    vmapped): the stage buffers, records and the adjoint's state are the state's size."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        ys = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                            on_failure=on_failure, max_steps=60)
+        return ys[-1]
+
+    return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
+
+
 PROBLEMS = {
     "bisection": lambda: _bisection(solvers.bisection),
     "chandrupatla": lambda: _bisection(solvers.chandrupatla),
@@ -176,6 +191,7 @@ PROBLEMS = {
     "minimize": _minimize,
     "least_squares": _least_squares,
     "odeint": _odeint,
+    "whole_odeint": _whole_odeint,
 }
 MODES = ("auto", "explicit", "shard_map", "pmap")
 CHECKS = ("value", "grad", "raise", "nan")

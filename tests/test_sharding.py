@@ -65,10 +65,18 @@ def test_matrix_fast():
 @pytest.mark.slow
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
-    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint) x every
-    mode x every check."""
+    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint vmapped
+    and of one whole sharded state) x every mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 12 * 4 * 4
+    assert len(cases) == 13 * 4 * 4
+    _check(cases)
+
+
+def test_whole_odeint_on_an_explicit_mesh():
+    """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
+    gradient (discrete adjoint), raise and NaN, the output sharded like the state."""
+    _, cases = _matrix("--solvers", "whole_odeint", "--modes", "explicit")
+    assert len(cases) == 4
     _check(cases)
 
 

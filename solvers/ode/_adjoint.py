@@ -387,7 +387,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         return (lam, theta_bar, h, left, status, t_fail), None
 
     init = (
-        jnp.zeros((n,), dtype),
+        _sharding.zeros_like(zs[0]),  # (sharded like the state on an Explicit mesh)
         _flat(theta, dtype) * 0,
         jnp.zeros((), dtype),  # automatic initial step on the first window
         budget,
@@ -412,7 +412,8 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
     ``rhs(u, t)`` is the right-hand side at the stored outputs ``us``; ``dL/dt_i`` is
     ``gz_i · f(y_i, t_i)`` for the later times and ``-λ · f(y_0, t_0)`` for the first.
     """
-    t_bar0 = -jnp.dot(lam, rhs(us[0], ts[0]))
+    f0 = rhs(us[0], ts[0])
+    t_bar0 = -jnp.dot(lam, f0, out_sharding=_sharding.replicated(lam, f0))  # (Explicit)
     z0_bar = lam + gz[0]
     dzs = jax.vmap(rhs)(us[1:], ts[1:])
     ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
@@ -501,9 +502,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             jnp.zeros((W,), dtype),
             jnp.ones((W,), dtype),
             jnp.zeros((W,), dtype),
-            jnp.zeros((W, n), dtype),
-            jax.tree.map(lambda v: jnp.zeros((W,) + v.shape, v.dtype), cache_like),
-            jnp.zeros((W, stages, n), dtype),
+            _sharding.rows_like(z, W),  # (sharded like the state on an Explicit mesh)
+            jax.tree.map(lambda v: _sharding.rows_like(v, W), cache_like),
+            _sharding.rows_like(_sharding.rows_like(z, stages), W),
         )
 
         def cond(carry):
@@ -629,8 +630,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     n_blocks = (n_acc + W - 1) // W
     init = (
         n_blocks - 1,
-        jnp.zeros((n,), dtype),
-        jax.tree.map(jnp.zeros_like, cache_like),
+        _sharding.zeros_like(zs[0]),
+        _sharding.zeros_like(cache_like),
         _flat(theta, dtype) * 0,
         jnp.asarray(_integrate.NOT_FAILED, i32),
         ts[0],
