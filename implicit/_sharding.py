@@ -211,13 +211,12 @@ def zeros_like(tree):
     return jax.tree.map(lambda v: jnp.where(False, v, jnp.zeros((), v.dtype)), tree)
 
 
-def rows_like(x, n, fill=0):
-    """``n`` rows of ``fill`` shaped, sharded and batched like ``x`` (``(n,) + x.shape``):
+def rows_like(x, n):
+    """``n`` rows of zeros shaped, sharded and batched like ``x`` (``(n,) + x.shape``):
     a buffer of states that keeps the state's sharding on an Explicit mesh (a
     ``jnp.zeros((n,) + x.shape)`` there is unsharded, and mixing it with the sharded
     state fails)."""
-    row = zeros_like(x) if fill == 0 else zeros_like(x) + jnp.asarray(fill, x.dtype)
-    return jnp.broadcast_to(row[None], (n,) + jnp.shape(x))
+    return jnp.broadcast_to(zeros_like(x)[None], (n,) + jnp.shape(x))
 
 
 def while_loop(cond, body, init):
