@@ -28,6 +28,7 @@ __all__ = [
     "on_mesh",
     "on_several_devices",
     "replicated",
+    "rows_like",
     "scan",
     "stackable",
     "vary",
@@ -210,6 +211,14 @@ def zeros_like(tree):
     return jax.tree.map(lambda v: jnp.where(False, v, jnp.zeros((), v.dtype)), tree)
 
 
+def rows_like(x, n):
+    """``n`` rows of zeros shaped, sharded and batched like ``x`` (``(n,) + x.shape``):
+    a buffer of states that keeps the state's sharding on an Explicit mesh (a
+    ``jnp.zeros((n,) + x.shape)`` there is unsharded, and mixing it with the sharded
+    state fails)."""
+    return jnp.broadcast_to(zeros_like(x)[None], (n,) + jnp.shape(x))
+
+
 def while_loop(cond, body, init):
     """``jax.lax.while_loop`` whose start values vary as its body's outputs do (batched
     alike on an Explicit mesh: see :func:`batched_alike`)."""
@@ -275,7 +284,7 @@ def cond(pred, true_fun, false_fun, *operands):
     return jax.lax.cond(pred, typed(true_fun), typed(false_fun), *operands)
 
 
-def cond_once(pred, true_fun, false_fun, *operands):
+def cond_once(pred, true_fun, false_fun, *operands, explicit=True):
     """``cond(pred, true_fun, false_fun, *operands)`` for a costly, rarely taken
     ``true_fun``, as a loop of at most one trip where arrays may be sharded (inside
     ``shard_map`` or on an Explicit mesh; :func:`cond` elsewhere).
@@ -287,8 +296,12 @@ def cond_once(pred, true_fun, false_fun, *operands):
     collective"); on an Explicit mesh it batches the constants the branches close over,
     which belong to no mesh. A loop's batched form takes ``true_fun`` only while some
     element needs it, with its carries (the result) typed alike by :func:`while_loop`.
+    ``explicit=False`` keeps the ``cond`` on an Explicit mesh (the loop form is only
+    needed inside ``shard_map``), where the loop form fails for branches that close over
+    values of no mesh ("Resource axis ... is not found in mesh").
     """
-    if not context_manual_axes() and _explicit_mesh((pred, operands)) is None:
+    explicit = explicit and _explicit_mesh((pred, operands)) is not None
+    if not context_manual_axes() and not explicit:
         return cond(pred, true_fun, false_fun, *operands)
     out = false_fun(*operands)
     _, out = while_loop(

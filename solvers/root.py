@@ -352,7 +352,12 @@ def _quasi_direction(ops):
         def kept(_):
             return state.fx, q.d, q.factors, q.s, q.u, q.k
 
-        fx, d, factors, s, u, k = _sharding.cond(q.refresh, refreshed, kept, None)
+        # Under shard_map, a parameter that does not vary over the mesh is mixed with the
+        # varying iterate inside `refreshed`; a vmapped cond (a select) would cast it to
+        # varying first, which JAX 0.10 refuses there (see _sharding.cond_once). On an
+        # Explicit mesh the cond works (the loop form fails there).
+        fx, d, factors, s, u, k = _sharding.cond_once(q.refresh, refreshed, kept, None,
+                                                      explicit=False)
         return fx, d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
 
     return direction

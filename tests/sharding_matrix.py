@@ -11,6 +11,13 @@ and a table at the end. Modes: ``auto`` (a sharded ``jit`` on an Auto mesh),
 ``pmap``. Checks: ``value``, ``grad`` (against the closed form), ``raise`` (one failing
 element of 64: a catchable error naming the global index 37, no abort), ``nan``
 (exactly the failed element is NaN).
+
+``--replicated`` runs the other cases instead: under ``shard_map`` (float64), the
+gradient of a vmapped (or whole-batch) solve with respect to a parameter that does not
+vary over the mesh, passed with ``in_specs=P()`` (check ``grad_replicated``) or closed
+over by the ``shard_map`` body (``grad_closed``), against the gradient of the same loss
+on the whole batch without ``shard_map``; and that an ``f`` closing over such a traced
+parameter is refused with the way out (``odeint_f_closure``, check ``refused``).
 """
 
 import os
@@ -156,6 +163,21 @@ def _odeint():
     return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
 
 
+def _whole_odeint():
+    """One integration of the whole (sharded) state, one decay rate per component (not
+    vmapped): the stage buffers, records and the adjoint's state are the state's size."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        ys = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                            on_failure=on_failure, max_steps=60)
+        return ys[-1]
+
+    return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
+
+
 PROBLEMS = {
     "bisection": lambda: _bisection(solvers.bisection),
     "chandrupatla": lambda: _bisection(solvers.chandrupatla),
@@ -169,9 +191,103 @@ PROBLEMS = {
     "minimize": _minimize,
     "least_squares": _least_squares,
     "odeint": _odeint,
+    "whole_odeint": _whole_odeint,
 }
 MODES = ("auto", "explicit", "shard_map", "pmap")
 CHECKS = ("value", "grad", "raise", "nan")
+
+
+# Losses of a parameter c that does not vary over the mesh and a batch d that is sharded,
+# for --replicated: c reaches the solver as one of its arguments (odeint: f(y, t, c)).
+def _replicated_problems():
+    ts = jnp.array([0.0, 0.5, 1.0])
+
+    def ode(**kw):
+        def loss(c, d):
+            ys = jax.vmap(lambda y0: solvers.odeint(lambda y, t, c: -c * y, y0, ts, c,
+                                                    **kw))(d)
+            return jnp.sum(ys[:, -1] ** 2)
+
+        return loss
+
+    def vmapped(solve):
+        return lambda c, d: jnp.sum(jax.vmap(lambda a: solve(a, c))(d) ** 2)
+
+    def broyden(a, c):
+        return solvers.root(lambda x, a, c: x**2 - a * c, jnp.ones(2), a, c,
+                            method="broyden")[0]
+
+    def bisection(a, c):
+        return solvers.bisection(lambda x, a, c: x**3 - a * c, 0.0, 10.0, a, c)
+
+    def whole_anderson(c, d):  # one solve of the whole local batch (GMRES adjoint)
+        x = solvers.fixed_point(lambda x, d, c: 0.3 * c * jnp.tanh(x) + d, jnp.zeros_like(d),
+                                d, c, method="anderson", linear_solver="gmres")
+        return jnp.sum(x**2)
+
+    return {
+        "odeint": ode(),  # the discrete adjoint
+        "odeint_backsolve": ode(adjoint="backsolve"),
+        "odeint_kvaerno5": ode(method="kvaerno5"),
+        "odeint_bdf": ode(method="bdf"),
+        "bisection": vmapped(bisection),
+        "broyden": vmapped(broyden),
+        "whole_anderson": whole_anderson,
+    }
+
+
+def replicated_case(name, how):
+    """``(ok, detail)``: the gradient in c of problem ``name`` under ``shard_map``, c
+    passed replicated (``how="in_specs"``) or closed over, against the whole batch's
+    gradient without ``shard_map`` (float64, relative 1e-10)."""
+    c = jnp.float64(1.3)
+    d = jnp.linspace(1.0, 4.0, N)
+    mesh = jax.make_mesh((8,), ("b",), axis_types=(AxisType.Explicit,))
+    sharded = jax.device_put(d, NamedSharding(mesh, P("b")))
+    if name == "odeint_f_closure":  # f closes over c: refused, saying what to do
+        def loss(c, d):
+            return jnp.sum(jax.vmap(lambda y0: solvers.odeint(lambda y, t: -c * y, y0,
+                                                              jnp.array([0.0, 1.0])))(d))
+
+        g = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P())
+        try:
+            jax.jit(g)(c, sharded)
+        except ValueError as err:
+            msg = str(err)
+            ok = "closes over" in msg and "Pass it to odeint as an argument" in msg
+            return ok, msg[:120]
+        return False, "no error raised"
+    loss = _replicated_problems()[name]
+    expected = float(jax.jit(jax.grad(loss))(c, d))
+    if how == "in_specs":
+        g = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P())
+        out = float(jax.jit(g)(c, sharded))
+    else:  # the body closes over c (a constant of the program)
+        g = jax.shard_map(lambda d: jax.grad(loss)(c, d), mesh=mesh, in_specs=P("b"),
+                          out_specs=P())
+        out = float(jax.jit(g)(sharded))
+    rel = abs(out - expected) / abs(expected)
+    return rel <= 1e-10, f"{out!r} vs {expected!r} without shard_map (rel err {rel:.1e})"
+
+
+def _main_replicated():
+    jax.config.update("jax_enable_x64", True)
+    # Closed over: the body's constant reaches the solver as the same replicated value.
+    cases = [(name, "in_specs") for name in _replicated_problems()]
+    cases += [("odeint", "closed"), ("odeint_f_closure", "refused")]
+    ok_all = True
+    for name, how in cases:
+        try:
+            ok, detail = replicated_case(name, how)
+        except Exception as err:  # noqa: BLE001
+            ok, detail = False, f"{type(err).__name__}: {str(err)[:300]}"
+            if os.environ.get("SHARDING_TRACEBACK"):
+                traceback.print_exc()
+        ok_all &= ok
+        check = {"in_specs": "grad_replicated", "closed": "grad_closed"}.get(how, how)
+        detail = detail.replace("\n", " ")
+        print(f"CASE {name} shard_map {check} {'PASS' if ok else 'FAIL'} {detail}", flush=True)
+    print("ALL PASS" if ok_all else "SOME FAILED", flush=True)
 
 
 def _run(mode, fn, a, on_failure, grad=False):
@@ -246,7 +362,11 @@ def main():
     parser.add_argument("--solvers", default=",".join(PROBLEMS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--checks", default=",".join(CHECKS))
+    parser.add_argument("--replicated", action="store_true")
     opts = parser.parse_args()
+    assert jax.device_count() == 8, jax.devices()
+    if opts.replicated:
+        return _main_replicated()
     names, modes, checks = (opts.solvers.split(","), opts.modes.split(","),
                             opts.checks.split(","))
     assert jax.device_count() == 8, jax.devices()

@@ -65,10 +65,31 @@ def test_matrix_fast():
 @pytest.mark.slow
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
-    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint) x every
-    mode x every check."""
+    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint vmapped
+    and of one whole sharded state) x every mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 12 * 4 * 4
+    assert len(cases) == 13 * 4 * 4
+    _check(cases)
+
+
+def test_whole_odeint_on_an_explicit_mesh():
+    """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
+    gradient (discrete adjoint), raise and NaN, the output sharded like the state."""
+    _, cases = _matrix("--solvers", "whole_odeint", "--modes", "explicit")
+    assert len(cases) == 4
+    _check(cases)
+
+
+def test_gradient_of_a_replicated_parameter_under_shard_map():
+    """Under shard_map (check_vma), the gradient with respect to a parameter that does
+    not vary over the mesh (in_specs=P(), or closed over by the body) of a vmapped
+    odeint (dopri5 with the discrete and backsolve adjoints, kvaerno5, bdf), bisection
+    and Broyden, and of a
+    whole-batch Anderson solve, equals the whole batch's gradient without shard_map
+    (float64, 1e-10); an f closing over such a traced parameter is refused, saying what
+    to do."""
+    _, cases = _matrix("--replicated")
+    assert len(cases) == 9
     _check(cases)
 
 

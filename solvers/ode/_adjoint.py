@@ -52,12 +52,32 @@ def _flat(tree, dtype):
 
 
 def _unflat(flat, like):
+    """The parameters' cotangent ``flat`` as a pytree like ``theta`` (``like``).
+
+    Under ``shard_map``, ``odeint`` casts its arguments to vary with the state, so a
+    cotangent varies where its parameter does. A value that ``f`` closes over cannot be
+    cast before ``f`` is traced: one that does not vary while the state does gets a
+    cotangent summed over the devices inside every step's derivative (a collective in
+    loops whose trip counts differ between devices), typed as varying. That is refused
+    here, with the way out, rather than by JAX's type check of the rule.
+    """
     leaves, treedef = jax.tree.flatten(like)
     out, start = [], 0
     for leaf in leaves:
         size = jnp.size(leaf)
         out.append(flat[start : start + size].reshape(jnp.shape(leaf)).astype(leaf.dtype))
         start += size
+        extra = _sharding.varying(out[-1]) - _sharding.varying(leaf)
+        if extra:
+            raise ValueError(
+                "odeint under shard_map: f (or event) closes over a traced floating value "
+                f"that does not vary over the mesh axes {sorted(extra)} while the solve "
+                "does (a replicated parameter), and the solve is differentiated. Pass it "
+                "to odeint as an argument instead (odeint(f, y0, ts, k) with f(y, t, k)), "
+                "or close over jax.lax.pcast(k, axes, to='varying'): arguments are cast "
+                "to vary with the state, and JAX sums their gradients over the devices "
+                "once, where it transposes the cast."
+            )
     return jax.tree.unflatten(treedef, out)
 
 
@@ -367,7 +387,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         return (lam, theta_bar, h, left, status, t_fail), None
 
     init = (
-        jnp.zeros((n,), dtype),
+        _sharding.zeros_like(zs[0]),  # (sharded like the state on an Explicit mesh)
         _flat(theta, dtype) * 0,
         jnp.zeros((), dtype),  # automatic initial step on the first window
         budget,
@@ -392,7 +412,8 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
     ``rhs(u, t)`` is the right-hand side at the stored outputs ``us``; ``dL/dt_i`` is
     ``gz_i · f(y_i, t_i)`` for the later times and ``-λ · f(y_0, t_0)`` for the first.
     """
-    t_bar0 = -jnp.dot(lam, rhs(us[0], ts[0]))
+    f0 = rhs(us[0], ts[0])
+    t_bar0 = -jnp.dot(lam, f0, out_sharding=_sharding.replicated(lam, f0))  # (Explicit)
     z0_bar = lam + gz[0]
     dzs = jax.vmap(rhs)(us[1:], ts[1:])
     ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])
@@ -481,9 +502,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             jnp.zeros((W,), dtype),
             jnp.ones((W,), dtype),
             jnp.zeros((W,), dtype),
-            jnp.zeros((W, n), dtype),
-            jax.tree.map(lambda v: jnp.zeros((W,) + v.shape, v.dtype), cache_like),
-            jnp.zeros((W, stages, n), dtype),
+            _sharding.rows_like(z, W),  # (sharded like the state on an Explicit mesh)
+            jax.tree.map(lambda v: _sharding.rows_like(v, W), cache_like),
+            _sharding.rows_like(_sharding.rows_like(z, stages), W),
         )
 
         def cond(carry):
@@ -519,9 +540,14 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         st = stepper_of(theta)
         if explicit:
             z1, err, ks, cache1, _, _, _ = st.step(s, z, cache, h)
-            return z1, cache1, h * (dense @ ks), err
-        z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
-        return z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+            out = z1, cache1, h * (dense @ ks), err
+        else:
+            z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
+            out = z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+        # shard_map: every output varies as the cotangents do (a cache entry computed
+        # from constants alone, as BDF's are, is otherwise invariant, and its varying
+        # cotangent is refused; it reaches no input: the cast's transpose is dropped).
+        return _sharding.vary_like(out, (z, cache, theta))
 
     def substeps(z, theta, s, h):
         # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
@@ -604,8 +630,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     n_blocks = (n_acc + W - 1) // W
     init = (
         n_blocks - 1,
-        jnp.zeros((n,), dtype),
-        jax.tree.map(jnp.zeros_like, cache_like),
+        _sharding.zeros_like(zs[0]),
+        _sharding.zeros_like(cache_like),
         _flat(theta, dtype) * 0,
         jnp.asarray(_integrate.NOT_FAILED, i32),
         ts[0],
@@ -614,7 +640,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         lambda c: c[0] >= 0, segment, init
     )
     # The first cache (the derivative at y0) is a function of y0 and the parameters.
-    _, vjp = jax.vjp(lambda z, th: stepper_of(th).init(ts[0], z), zs[0], theta)
+    _, vjp = jax.vjp(
+        lambda z, th: _sharding.vary_like(stepper_of(th).init(ts[0], z), (z, th)), zs[0], theta
+    )
     dz, dtheta = vjp(lam_cache)
     lam = lam_z + dz
     theta_bar = theta_bar + _flat(dtheta, dtype)

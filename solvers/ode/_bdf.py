@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import lu_factor, lu_solve
 
+from implicit import _sharding
+
 __all__ = ["bdf_stepper", "MAX_ORDER", "NEWTON_MAXITER"]
 
 MAX_ORDER = 5
@@ -228,7 +230,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
 
             st = (jnp.zeros((), i32), u_pred, jnp.zeros_like(u_pred), jnp.ones((), dtype),
                   jnp.bool_(False), jnp.bool_(False))
-            it, y, d, _, conv, _ = jax.lax.while_loop(cond, body, st)
+            it, y, d, _, conv, _ = _sharding.while_loop(cond, body, st)
             return it, y, d, conv
 
         def attempt_cond(st):
@@ -238,12 +240,17 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         def attempt(st):
             i, J, lu, piv, c_lu, fresh, _, _, _, _, fe, nj, nl = st
             refresh = i > 0  # Newton failed with an old Jacobian: a new one, and retry
-            J = jax.lax.cond(refresh, lambda: jac(u_pred, t_new), lambda: J)
+            # (one-trip loops under shard_map: a vmapped cond would cast the values the
+            # branches close over to varying, refused where a branch mixes them with
+            # varying ones: see _sharding.cond_once)
+            J = _sharding.cond_once(refresh, lambda: jac(u_pred, t_new), lambda: J,
+                                    explicit=False)
             need = refresh | (c != c_lu)
-            lu, piv = jax.lax.cond(
+            lu, piv = _sharding.cond_once(
                 need,
                 lambda: (lambda lp: (lp[0], lp[1].astype(dtype)))(lu_factor(eye - c * J)),
                 lambda: (lu, piv),
+                explicit=False,
             )
             it, y, d, conv = newton(lu, piv)
             return (i + 1, J, lu, piv, jnp.where(need, c, c_lu), fresh | refresh, conv, it, y,
@@ -253,7 +260,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         st = (zero, cache.J, cache.lu, cache.piv, cache.c_lu, cache.fresh > 0, jnp.bool_(False),
               zero, u_pred, jnp.zeros_like(u_pred), zero, zero, zero)
         (_, J, lu, piv, c_lu, fresh, conv, n_iter, u_new, d_u, fevals, njac, nlu) = (
-            jax.lax.while_loop(attempt_cond, attempt, st))
+            _sharding.while_loop(attempt_cond, attempt, st))
         if N > n:  # quadratures: explicit in the corrector
             d_q = c * rhs(u_new, t_new)[n:] - psi[n:]
             d = jnp.concatenate([d_u, d_q])

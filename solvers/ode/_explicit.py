@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from implicit import _sharding
+
 __all__ = ["erk_step", "explicit_stepper"]
 
 
@@ -22,7 +24,7 @@ def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
     c = jnp.asarray(tab.c, dtype)
     u = z[:n_ctrl]
     stages = len(tab.b)
-    ks = jnp.zeros((stages, z.shape[0]), dtype).at[0].set(k0)
+    ks = _sharding.rows_like(z, stages).at[0].set(k0)
 
     def stage(i, ks):
         ui = u + h * (a[i] @ ks[:, :n_ctrl])

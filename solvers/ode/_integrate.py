@@ -570,15 +570,15 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     last_step = (
         None
         if jumps
-        else LastStep(ctrl.s, jnp.ones((), dtype), z0, jnp.zeros((stages, N), dtype))
+        else LastStep(ctrl.s, jnp.ones((), dtype), z0, _sharding.rows_like(z0, stages))
     )
     B = max(int(record), 1)
     rec = (
         Record(
             s=jnp.full((B,), jnp.inf, dtype),
             h=jnp.ones((B,), dtype),
-            z=jnp.zeros((B, N), dtype),
-            coef=jnp.zeros((B, degree, N), dtype),
+            z=_sharding.rows_like(z0, B),
+            coef=_sharding.rows_like(_sharding.rows_like(z0, degree), B),
             start=None,
         )
         if record
@@ -684,7 +684,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     if checkpoint:
         W, C = checkpoint
         bufs = jax.tree.map(
-            lambda v: jnp.zeros((C,) + jnp.shape(v), jnp.result_type(v)).at[0].set(v),
+            lambda v: _sharding.rows_like(jnp.asarray(v), C).at[0].set(v),
             (ctrl.pack(), z0, cache),
         )
         ck = (bufs, jnp.asarray(W, i32))

@@ -428,9 +428,16 @@ def _make_stepper(method, max_step=float("inf")):
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
            options, solver, check, progress=None, record=0, log=0):
     on_failure, max_steps = options.on_failure, options.max_steps
-    # shard_map: the state and times vary with the problem (one type for the loops'
-    # carries and the adjoint's cotangents; a shared ts gets its cotangent summed).
-    y0, ts = _sharding.vary_like((y0, ts), (y0, ts, args))
+    # shard_map: the state, the times and the arguments all vary as the problem does,
+    # cast here, before f is traced and before they enter the adjoint's custom_vjp. The
+    # loops' carries then have one type, and so do the cotangents: the adjoint's
+    # cotangent of a value that does not vary over the mesh (a replicated parameter, a
+    # shared ts) is each device's own contribution, and JAX sums it over the devices
+    # once, where it transposes this cast. Left uncast, such a value is mixed with the
+    # varying state inside f, every vjp of a step transposes that mix into a sum over
+    # the devices (a collective at every step of loops whose trip counts differ
+    # between devices), and the summed cotangent comes back typed as varying.
+    y0, ts, args = _sharding.vary_like((y0, ts, args), (y0, ts, args))
     out = _checks.call_shape(f, "f", y0, ts[0], *args)
     if not _ravels_like(out, y0):  # (an output that ravels to y0's shape is accepted)
         _checks.check_like(out, y0, "f(y0, t, *args)", "y0")

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from implicit import _sharding
+
 __all__ = ["implicit_stepper", "NEWTON_KAPPA", "NEWTON_MAX_STEPS"]
 
 NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tolerance
@@ -94,7 +96,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
             return ks.at[i].set(k), ok, fevals, jacobians + info.num_steps
 
         zero = jnp.zeros((), jnp.int32)
-        ks, ok, fevals, jacobians = jax.lax.fori_loop(
+        ks, ok, fevals, jacobians = _sharding.fori_loop(
             1, stages, stage, (ks, jnp.bool_(True), zero, zero)
         )
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
@@ -134,7 +136,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
                 U = U - (x - jax.lax.stop_gradient(x))
             return ks.at[i].set((U - base) / hg)
 
-        ks = jax.lax.fori_loop(1, stages, stage, ks)
+        ks = _sharding.fori_loop(1, stages, stage, ks)
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
         return z1, (ks[-1],), ks
 
