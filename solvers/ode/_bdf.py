@@ -113,8 +113,13 @@ class BDFCache(NamedTuple):
     safety: Any  # the step's safety factor (fewer Newton iterations: bolder)
 
 
-def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
+def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     """The :class:`~solvers.ode._integrate.Stepper` of variable-order NDF (SciPy's BDF).
+
+    ``structure``: a :class:`solvers._sparse.Structure` of the Jacobian (``jac_sparsity``):
+    the Jacobian is then kept in block-tridiagonal form (compressed jvps) and ``I - cJ``
+    factored by block LU (``J`` and ``lu`` in the cache are those blocks and factors);
+    ``None``: dense (``jacfwd``, LU).
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
     ``n_ctrl`` are quadratures (``rhs`` does not read them): the corrector gives them
@@ -134,7 +139,27 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         return jnp.sqrt(jnp.mean(jnp.square(v / scale)))
 
     def jac(u, t):
+        if structure is not None:
+            return structure.jacobian(lambda v: rhs(v, t)[:n], u)
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
+
+    def factorise(c, J):
+        """The factors of ``I - cJ`` and the pivots (floats; dense only)."""
+        if structure is not None:
+            return structure.factor(structure.eye_minus(c, J)), jnp.zeros((n,), J.dtype)
+        lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
+        return lu, piv.astype(J.dtype)
+
+    def solve(lu, piv, b):
+        if structure is not None:
+            return structure.solve(lu, b)
+        return lu_solve((lu, piv.astype(jnp.int32)), b)
+
+    def placeholder(J):
+        if structure is not None:
+            return jax.tree.map(jnp.zeros_like, jax.eval_shape(
+                lambda J: structure.factor(structure.eye_minus(1.0, J)), J))
+        return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
         dtype = z0.dtype
@@ -145,7 +170,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
         return BDFCache(
             k0=f0, D=D, h=one, order=one, n_equal=zero, J=J,
-            lu=jnp.zeros((n, n), dtype), piv=jnp.zeros((n,), dtype), c_lu=zero,
+            lu=placeholder(J), piv=jnp.zeros((n,), dtype), c_lu=zero,
             fresh=one, factor=one, safety=jnp.asarray(0.9, dtype),
         )
 
@@ -201,11 +226,9 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         scale = atol + rtol * jnp.abs(u_pred)
         eps = jnp.finfo(dtype).eps
         tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
-        eye = jnp.eye(n, dtype=dtype)
         i32 = jnp.int32
 
         def newton(lu, piv):
-            piv_i = piv.astype(i32)
 
             def cond(st):
                 it, _, _, _, conv, stop = st
@@ -214,7 +237,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = lu_solve((lu, piv_i), c * f - psi_u - d)
+                dy = solve(lu, piv, c * f - psi_u - d)
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -242,7 +265,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
             need = refresh | (c != c_lu)
             lu, piv = jax.lax.cond(
                 need,
-                lambda: (lambda lp: (lp[0], lp[1].astype(dtype)))(lu_factor(eye - c * J)),
+                lambda: factorise(c, J),
                 lambda: (lu, piv),
             )
             it, y, d, conv = newton(lu, piv)
@@ -295,7 +318,10 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         y_star = sg(y_pred + d_star)
         J = sg(jac(y_star, t_new))
         F = d_star - c * rhs(y_pred + d_star, t_new) + psi
-        x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
+        if structure is not None:
+            x = structure.solve(structure.factor(structure.eye_minus(c, J)), F)
+        else:
+            x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
         d = d_star - (x - sg(x))
         y_new = y_pred + d
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h,
