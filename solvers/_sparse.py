@@ -226,8 +226,7 @@ class Structure:
              + jnp.einsum("kij,kj->ki", blocks[2], above))
         return self._from_blocks(y)
 
-    def _solve_blocks(self, factors, bb):
-        X, sinv, blocks = factors
+    def _solve_blocks(self, X, sinv, up, bb):
 
         def fwd(y_prev, inp):  # L y = b
             X_i, b_i = inp
@@ -241,7 +240,7 @@ class Structure:
             x = sinv_i @ (y_i - up_i @ x_next)
             return x, x
 
-        _, x = jax.lax.scan(bwd, jnp.zeros_like(bb[0]), (sinv, blocks[2], y), reverse=True)
+        _, x = jax.lax.scan(bwd, jnp.zeros_like(bb[0]), (sinv, up, y), reverse=True)
         return x
 
     def _solve_blocks_t(self, factors, bb):
@@ -266,6 +265,12 @@ class Structure:
         _, x = jax.lax.scan(bwd, jnp.zeros_like(bb[0]), (X_next, z), reverse=True)
         return x
 
+    def apply_inverse(self, X, sinv, up, b):
+        """``A⁻¹ b`` from the factors ``X``, ``S⁻¹`` of :meth:`factor` and ``A``'s blocks
+        above the diagonal ``up`` (no ``custom_linear_solve``: for loops that are not
+        differentiated, and callers that keep ``A`` in another form)."""
+        return self._from_blocks(self._solve_blocks(X, sinv, up, self._to_blocks(b)))
+
     def solve(self, factors, b):
         """``A⁻¹ b`` (original order) for ``factors = factor(A)``; a
         ``custom_linear_solve`` (its transpose solves with ``Aᵀ`` from the same factors)."""
@@ -275,7 +280,8 @@ class Structure:
             return self.matvec(blocks, x)
 
         def solve(_, rhs):
-            return self._from_blocks(self._solve_blocks(factors, self._to_blocks(rhs)))
+            return self._from_blocks(self._solve_blocks(factors[0], factors[1], blocks[2],
+                                                        self._to_blocks(rhs)))
 
         def transpose_solve(_, rhs):
             return self._from_blocks(self._solve_blocks_t(factors, self._to_blocks(rhs)))

@@ -95,6 +95,9 @@ def test_block_lu_solve_against_numpy(x64, n, density, c):
     np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
     np.testing.assert_allclose(s.matvec(factors[2], jnp.asarray(b)), A @ b, rtol=1e-12,
                                atol=1e-12)
+    X, sinv, blocks = factors
+    np.testing.assert_allclose(s.apply_inverse(X, sinv, blocks[2], jnp.asarray(b)),
+                               np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
 
 
 def test_transpose_solve(x64):

@@ -144,21 +144,23 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
 
     def factorise(c, J):
-        """The factors of ``I - cJ`` and the pivots (floats; dense only)."""
+        """The factors of ``I - cJ`` and the pivots (floats; dense only). Structured: the
+        block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
         if structure is not None:
-            return structure.factor(structure.eye_minus(c, J)), jnp.zeros((n,), J.dtype)
+            X, sinv, _ = structure.factor(structure.eye_minus(c, J))
+            return (X, sinv), jnp.zeros((n,), J.dtype)
         lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
         return lu, piv.astype(J.dtype)
 
-    def solve(lu, piv, b):
-        if structure is not None:
-            return structure.solve(lu, b)
+    def solve(lu, piv, b, c, J):
+        if structure is not None:  # (lu is for I - cJ: the Newton loop's c and J)
+            return structure.apply_inverse(*lu, -c * J[2], b)
         return lu_solve((lu, piv.astype(jnp.int32)), b)
 
     def placeholder(J):
         if structure is not None:
             return jax.tree.map(jnp.zeros_like, jax.eval_shape(
-                lambda J: structure.factor(structure.eye_minus(1.0, J)), J))
+                lambda J: structure.factor(structure.eye_minus(1.0, J))[:2], J))
         return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
@@ -228,7 +230,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
         i32 = jnp.int32
 
-        def newton(lu, piv):
+        def newton(lu, piv, J):
 
             def cond(st):
                 it, _, _, _, conv, stop = st
@@ -237,7 +239,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = solve(lu, piv, c * f - psi_u - d)
+                dy = solve(lu, piv, c * f - psi_u - d, c, J)
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -268,7 +270,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
                 lambda: factorise(c, J),
                 lambda: (lu, piv),
             )
-            it, y, d, conv = newton(lu, piv)
+            it, y, d, conv = newton(lu, piv, J)
             return (i + 1, J, lu, piv, jnp.where(need, c, c_lu), fresh | refresh, conv, it, y,
                     d, fe + it, nj + refresh.astype(i32), nl + need.astype(i32))
 
