@@ -154,9 +154,13 @@ class Structure:
     def jacobian(self, fun, x):
         """The blocks ``(3, nb, B, B)`` (below, diagonal, above) of ``∂fun/∂x`` at ``x``
         (permuted), from ``num_colors`` jvps."""
+        return self.scatter(self.compressed(fun, x))
+
+    def compressed(self, fun, x):
+        """The compressed Jacobian ``(num_colors, n)``: one jvp per colour (``vmap``).
+        ``num_colors x n`` numbers: the most compact form to keep (:meth:`scatter`)."""
         seeds = jnp.asarray(self._seeds, x.dtype)
-        cols = jax.vmap(lambda s: jax.jvp(fun, (x,), (s,))[1])(seeds)
-        return self.scatter(cols)
+        return jax.vmap(lambda s: jax.jvp(fun, (x,), (s,))[1])(seeds)
 
     def scatter(self, compressed):
         """Blocks from the compressed Jacobian ``(num_colors, n)`` (jvp per colour)."""

@@ -104,8 +104,9 @@ class BDFCache(NamedTuple):
     h: Any  # the spacing of D
     order: Any  # current order, 1..MAX_ORDER
     n_equal: Any  # steps taken at this size and order
-    J: Any  # (n, n) Jacobian of the controlled components (kept across steps)
-    lu: Any  # (n, n) LU of I - c_lu J
+    J: Any  # (n, n) Jacobian of the controlled components (kept across steps); with a
+    #         structure: compressed, (colours, n)
+    lu: Any  # (n, n) LU of I - c_lu J; with a structure: the block LU's (X, S⁻¹)
     piv: Any  # (n,) its pivots
     c_lu: Any  # the c the LU is for (0: none yet)
     fresh: Any  # 1.0 when J was computed during the current step (after a rejection too)
@@ -139,28 +140,29 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         return jnp.sqrt(jnp.mean(jnp.square(v / scale)))
 
     def jac(u, t):
-        if structure is not None:
-            return structure.jacobian(lambda v: rhs(v, t)[:n], u)
+        if structure is not None:  # compressed, (colours, n): the cache keeps this form
+            return structure.compressed(lambda v: rhs(v, t)[:n], u)
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
 
     def factorise(c, J):
         """The factors of ``I - cJ`` and the pivots (floats; dense only). Structured: the
         block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
         if structure is not None:
-            X, sinv, _ = structure.factor(structure.eye_minus(c, J))
+            X, sinv, _ = structure.factor(structure.eye_minus(c, structure.scatter(J)))
             return (X, sinv), jnp.zeros((n,), J.dtype)
         lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
         return lu, piv.astype(J.dtype)
 
-    def solve(lu, piv, b, c, J):
-        if structure is not None:  # (lu is for I - cJ: the Newton loop's c and J)
-            return structure.apply_inverse(*lu, -c * J[2], b)
+    def solve(lu, piv, b, up):
+        if structure is not None:  # up: the blocks of I - cJ above the diagonal
+            return structure.apply_inverse(*lu, up, b)
         return lu_solve((lu, piv.astype(jnp.int32)), b)
 
     def placeholder(J):
         if structure is not None:
             return jax.tree.map(jnp.zeros_like, jax.eval_shape(
-                lambda J: structure.factor(structure.eye_minus(1.0, J))[:2], J))
+                lambda J: structure.factor(structure.eye_minus(1.0, structure.scatter(J)))[:2],
+                J))
         return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
@@ -231,6 +233,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         i32 = jnp.int32
 
         def newton(lu, piv, J):
+            # (lu is for I - cJ, this step's c and J: structured, its upper blocks are -cJ's)
+            up = None if structure is None else -c * structure.scatter(J)[2]
 
             def cond(st):
                 it, _, _, _, conv, stop = st
@@ -239,7 +243,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = solve(lu, piv, c * f - psi_u - d, c, J)
+                dy = solve(lu, piv, c * f - psi_u - d, up)
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -321,7 +325,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         J = sg(jac(y_star, t_new))
         F = d_star - c * rhs(y_pred + d_star, t_new) + psi
         if structure is not None:
-            x = structure.solve(structure.factor(structure.eye_minus(c, J)), F)
+            x = structure.solve(structure.factor(structure.eye_minus(c, structure.scatter(J))),
+                                F)
         else:
             x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
         d = d_star - (x - sg(x))
