@@ -86,13 +86,15 @@ def test_brusselator_forward_against_scipy(x64, method, sparsity):
     assert bool(info.converged)
 
 
-@pytest.mark.parametrize("method", ["bdf", "kvaerno5"])
-def test_brusselator_gradient_against_finite_differences(x64, method):
+@pytest.mark.parametrize("method,adjoint", [("bdf", "discrete"), ("kvaerno5", "discrete"),
+                                            ("kvaerno5", "forward")])
+def test_brusselator_gradient_against_finite_differences(x64, method, adjoint):
     eps = 1e-5
     fd = (loss_np(radau(ALPHA + eps)) - loss_np(radau(ALPHA - eps))) / (2 * eps)
-    grad = jax.grad(lambda a: loss(solvers.odeint(
+    diff = jax.jacfwd if adjoint == "forward" else jax.grad
+    grad = diff(lambda a: loss(solvers.odeint(
         brusselator, jnp.asarray(initial(N)), jnp.asarray(TS), a, method=method, rtol=1e-9,
-        atol=1e-11, jac_sparsity=2)))(ALPHA)
+        atol=1e-11, jac_sparsity=2, adjoint=adjoint)))(ALPHA)
     assert abs(float(grad) - fd) / abs(fd) < 1e-5, (float(grad), fd)
 
 
