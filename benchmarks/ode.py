@@ -20,6 +20,15 @@ Problems, float64 on CPU:
   [0, 3000] (two relaxation jumps), rtol = atol = 1e-6. Loss ``y1(3000)``, gradient with
   respect to mu. Reference: SciPy Radau (rtol = atol = 1e-12) for the loss; central
   differences (step 1 in mu, rtol 1e-11) for the gradient.
+- Brusselator, method of lines (issue 15): ``u' = 1 + u²v - 4u + α(N+1)² Δu``,
+  ``v' = 3u - u²v + α(N+1)² Δv`` on N = 1000 interior points (2000 states, interleaved
+  ``(u_1, v_1, u_2, ...)``: a band of half-width 2), ``u = 1, v = 3`` at both ends,
+  ``u0 = 1 + sin(2πx), v0 = 3``, α = 0.02, outputs at t = 0, 1, ..., 10, rtol = 1e-6,
+  atol = 1e-8. Loss ``mean(u(10)²)``, gradient with respect to α. Reference: SciPy BDF
+  with ``jac_sparsity`` (rtol 1e-11, atol 1e-13) for the loss; central differences of it
+  (step 1e-5 in α) for the gradient. Ours with ``jac_sparsity=2``; SciPy BDF with the
+  same band as ``jac_sparsity``; diffrax Kvaerno5 with its dense Jacobian. Memory: XLA
+  temporary memory of the compiled forward and value-and-grad at N = 250, 1000, 4000.
 
 Columns: compile s (lower + compile of ``jit(value_and_grad(loss))``; SciPy: none),
 solve ms and grad ms (value and gradient; fastest of >= 20 calls), steps (attempted
@@ -390,6 +399,173 @@ def van_der_pol_rows(loss_ref, grad_ref):
     return rows
 
 
+# --------------------------------------------------------------------------- Brusselator
+
+BR_N = 1000
+BR_ALPHA = 0.02
+BR_TS = np.linspace(0.0, 10.0, 11)
+BR_RTOL, BR_ATOL = 1e-6, 1e-8
+BR_ROUNDS = 5
+
+
+def brusselator(y, t, alpha):
+    u, v = y[0::2], y[1::2]
+    a = alpha * (u.shape[0] + 1) ** 2
+    one, three = jnp.ones(1, y.dtype), 3 * jnp.ones(1, y.dtype)
+    up, vp = jnp.concatenate([one, u, one]), jnp.concatenate([three, v, three])
+    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
+    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
+    return jnp.stack([du, dv], 1).reshape(-1)
+
+
+def brusselator_np(t, y, alpha):
+    u, v = y[0::2], y[1::2]
+    a = alpha * (u.size + 1) ** 2
+    up, vp = np.concatenate([[1.0], u, [1.0]]), np.concatenate([[3.0], v, [3.0]])
+    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
+    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
+    return np.stack([du, dv], 1).reshape(-1)
+
+
+def brusselator_y0(n):
+    x = np.arange(1, n + 1) / (n + 1)
+    return np.stack([1 + np.sin(2 * np.pi * x), 3 * np.ones(n)], 1).reshape(-1)
+
+
+def brusselator_band(n):
+    import scipy.sparse as sp
+
+    m = 2 * n
+    return sp.diags([np.ones(m - abs(k)) for k in range(-2, 3)], list(range(-2, 3)),
+                    format="csr").astype(bool)
+
+
+def br_loss(ys):
+    return jnp.mean(ys[-1, 0::2] ** 2)
+
+
+def br_loss_np(ys):
+    return float(np.mean(ys[-1, 0::2] ** 2))
+
+
+def brusselator_reference():
+    from scipy.integrate import solve_ivp
+
+    def loss(alpha):
+        sol = solve_ivp(brusselator_np, (BR_TS[0], BR_TS[-1]), brusselator_y0(BR_N),
+                        method="BDF", t_eval=BR_TS, rtol=1e-11, atol=1e-13, args=(alpha,),
+                        jac_sparsity=brusselator_band(BR_N))
+        assert sol.success
+        return br_loss_np(sol.y.T)
+
+    h = 1e-5
+    return loss(BR_ALPHA), np.array([(loss(BR_ALPHA + h) - loss(BR_ALPHA - h)) / (2 * h)])
+
+
+def brusselator_rows(loss_ref, grad_ref):
+    args = (brusselator_y0(BR_N), BR_TS)
+    tol = dict(rtol=BR_RTOL, atol=BR_ATOL)
+    alpha = np.array([BR_ALPHA])
+    rows = [measure(f"ours {method}, jac_sparsity=2", OURS,
+                    *ours(brusselator, *args, method, jac_sparsity=2, **tol),
+                    alpha, br_loss, loss_ref, grad_ref)
+            for method in ("bdf", "kvaerno5")]
+    calls = {(i, col): fn for i, row in enumerate(rows) for col, fn in row.calls.items()}
+    for (i, col), seconds in run_times_interleaved(calls, rounds=BR_ROUNDS).items():
+        rows[i].values[col] = 1e3 * seconds
+    rows.append(measure_scipy("scipy solve_ivp BDF, jac_sparsity", scipy_sparse_solver(
+        "BDF", *args, BR_RTOL, BR_ATOL, brusselator_np, (BR_ALPHA,), brusselator_band(BR_N)),
+        br_loss_np, loss_ref))
+    rows.append(diffrax_dense_row(loss_ref, grad_ref))
+    return rows
+
+
+def diffrax_dense_row(loss_ref, grad_ref):
+    """diffrax Kvaerno5 with its dense Jacobian: seconds per call, so each is compiled
+    ahead of time and run once (no counting run; steps from its stats)."""
+    solve, _ = diffrax_solver(brusselator, brusselator_y0(BR_N), BR_TS, "Kvaerno5",
+                              "RecursiveCheckpointAdjoint", BR_RTOL, BR_ATOL)
+    params = jnp.asarray([BR_ALPHA])
+    vg = jax.value_and_grad(lambda p: br_loss(solve(p)))
+    compile_s, compiled_vg = compile_time(vg, params)
+    _, fwd = compile_time(lambda p: solve(p, with_stats=True), params)
+    start = time.perf_counter()
+    _, stats = jax.block_until_ready(fwd(params))
+    solve_ms = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    val, grad = jax.block_until_ready(compiled_vg(params))
+    grad_ms = 1e3 * (time.perf_counter() - start)
+    print(f"  diffrax Kvaerno5 (dense Jacobian): solve {solve_ms:.0f} ms, grad {grad_ms:.0f} "
+          "ms", flush=True)
+    return Row("diffrax Kvaerno5 (dense Jacobian)", "peer", {
+        "compile s": compile_s, "solve ms": solve_ms, "grad ms": grad_ms,
+        "steps": int(stats["num_steps"]),
+        "loss error": abs(float(val) - loss_ref) / abs(loss_ref),
+        "grad error": float(np.max(np.abs(np.asarray(grad) - grad_ref))
+                            / np.max(np.abs(grad_ref))),
+    })
+
+
+def scipy_sparse_solver(method, y0, ts, rtol, atol, fun, args, jac_sparsity):
+    from scipy.integrate import solve_ivp
+
+    def solve():
+        return solve_ivp(fun, (ts[0], ts[-1]), y0, method=method, t_eval=ts, rtol=rtol,
+                         atol=atol, args=args, jac_sparsity=jac_sparsity)
+
+    return solve
+
+
+def brusselator_memory_rows(sizes=(250, 1000, 4000)):
+    """XLA temporary memory (MB) of the compiled forward and value-and-grad."""
+    from benchmarks._common import temp_memory_bytes
+
+    tol = dict(rtol=BR_RTOL, atol=BR_ATOL)
+    makers = {
+        "ours bdf, jac_sparsity=2": lambda n: ours(brusselator, brusselator_y0(n), BR_TS,
+                                                    "bdf", jac_sparsity=2, **tol)[0],
+        "ours kvaerno5, jac_sparsity=2": lambda n: ours(
+            brusselator, brusselator_y0(n), BR_TS, "kvaerno5", jac_sparsity=2, **tol)[0],
+        "diffrax Kvaerno5 (dense Jacobian)": lambda n: diffrax_solver(
+            brusselator, brusselator_y0(n), BR_TS, "Kvaerno5", "RecursiveCheckpointAdjoint",
+            **tol)[0],
+    }
+    rows = []
+    alpha = jnp.asarray([BR_ALPHA])
+    for name, make in makers.items():
+        row = Row(name, OURS if name.startswith("ours") else "peer")
+        for n in sizes:
+            solve = make(n)
+            value = lambda p, solve=solve: br_loss(solve(p))  # noqa: E731
+            for label, fn in (("fwd", value), ("grad", jax.value_and_grad(value))):
+                mb = temp_memory_bytes(jax.jit(fn).lower(alpha).compile())
+                row.values[f"{label} MB, N={n}"] = None if mb is None else mb / 1e6
+        print(f"  {name}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.values.items()),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def brusselator_main():
+    print("\nBrusselator reference (SciPy BDF with jac_sparsity, tight) ...", flush=True)
+    br_ref = brusselator_reference()
+    rows = brusselator_rows(*br_ref)
+    print_table(f"Brusselator, method of lines, N = {BR_N} (2000 states): mean(u(10)²) and its "
+                "gradient w.r.t. the diffusion coefficient α, rtol = 1e-6, atol = 1e-8",
+                rows, ["compile s", "solve ms", "grad ms", "steps", "RHS evals", "loss error",
+                       "grad error"], ratio_columns=["solve ms", "grad ms"])
+    print(f"- Times: ours fastest of {BR_ROUNDS} calls, timed round-robin; SciPy: fastest of "
+          "up to 20 calls (forward only: it has no gradient); diffrax (dense Jacobian and LU: "
+          "it takes no sparsity): one call each, compiled ahead of time.")
+    print("\nBrusselator memory ...", flush=True)
+    sizes = (250, 1000, 4000)
+    mem = brusselator_memory_rows(sizes)
+    cols = [f"{k} MB, N={n}" for k in ("fwd", "grad") for n in sizes]
+    print_table("Brusselator: XLA temporary memory (MB) of jit(loss) and "
+                "jit(value_and_grad(loss)), N grid points (2N states)", mem, cols,
+                ratio_columns=[f"grad MB, N={n}" for n in sizes])
+
+
 # --------------------------------------------------------------------------- work-precision
 
 
@@ -600,8 +776,15 @@ def main():
     path = os.path.join(RESULTS, "ode_work_precision.png")
     plot_work_precision(lv, rob, path)
     print(f"work-precision plot: {path}")
+    brusselator_main()
     print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["brusselator"]:  # that table alone
+        warm_up()
+        brusselator_main()
+    else:
+        main()

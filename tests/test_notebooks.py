@@ -264,6 +264,7 @@ def test_notebooks_are_found():
         "ode_fitting.ipynb",
         "ode_events.ipynb",
         "hyperparameter_optimization.ipynb",
+        "brusselator.ipynb",
     } <= names
 
 

@@ -106,8 +106,9 @@ class BDFCache(NamedTuple):
     h: Any  # the spacing of D
     order: Any  # current order, 1..MAX_ORDER
     n_equal: Any  # steps taken at this size and order
-    J: Any  # (n, n) Jacobian of the controlled components (kept across steps)
-    lu: Any  # (n, n) LU of I - c_lu J
+    J: Any  # (n, n) Jacobian of the controlled components (kept across steps); with a
+    #         structure: compressed, (colours, n)
+    lu: Any  # (n, n) LU of I - c_lu J; with a structure: the block LU's (X, S⁻¹)
     piv: Any  # (n,) its pivots
     c_lu: Any  # the c the LU is for (0: none yet)
     fresh: Any  # 1.0 when J was computed during the current step (after a rejection too)
@@ -115,8 +116,13 @@ class BDFCache(NamedTuple):
     safety: Any  # the step's safety factor (fewer Newton iterations: bolder)
 
 
-def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
+def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     """The :class:`~solvers.ode._integrate.Stepper` of variable-order NDF (SciPy's BDF).
+
+    ``structure``: a :class:`solvers._sparse.Structure` of the Jacobian (``jac_sparsity``):
+    the Jacobian is then kept in block-tridiagonal form (compressed jvps) and ``I - cJ``
+    factored by block LU (``J`` and ``lu`` in the cache are those blocks and factors);
+    ``None``: dense (``jacfwd``, LU).
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
     ``n_ctrl`` are quadratures (``rhs`` does not read them): the corrector gives them
@@ -136,7 +142,30 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         return jnp.sqrt(jnp.mean(jnp.square(v / scale)))
 
     def jac(u, t):
+        if structure is not None:  # compressed, (colours, n): the cache keeps this form
+            return structure.compressed(lambda v: rhs(v, t)[:n], u)
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
+
+    def factorise(c, J):
+        """The factors of ``I - cJ`` and the pivots (floats; dense only). Structured: the
+        block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
+        if structure is not None:
+            X, sinv, _ = structure.factor(structure.eye_minus(c, structure.scatter(J)))
+            return (X, sinv), jnp.zeros((n,), J.dtype)
+        lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
+        return lu, piv.astype(J.dtype)
+
+    def solve(lu, piv, b, up):
+        if structure is not None:  # up: the blocks of I - cJ above the diagonal
+            return structure.apply_inverse(*lu, up, b)
+        return lu_solve((lu, piv.astype(jnp.int32)), b)
+
+    def placeholder(J):
+        if structure is not None:
+            return jax.tree.map(jnp.zeros_like, jax.eval_shape(
+                lambda J: structure.factor(structure.eye_minus(1.0, structure.scatter(J)))[:2],
+                J))
+        return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
         dtype = z0.dtype
@@ -147,7 +176,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
         return BDFCache(
             k0=f0, D=D, h=one, order=one, n_equal=zero, J=J,
-            lu=jnp.zeros((n, n), dtype), piv=jnp.zeros((n,), dtype), c_lu=zero,
+            lu=placeholder(J), piv=jnp.zeros((n,), dtype), c_lu=zero,
             fresh=one, factor=one, safety=jnp.asarray(0.9, dtype),
         )
 
@@ -203,11 +232,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         scale = atol + rtol * jnp.abs(u_pred)
         eps = jnp.finfo(dtype).eps
         tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
-        eye = jnp.eye(n, dtype=dtype)
         i32 = jnp.int32
 
-        def newton(lu, piv):
-            piv_i = piv.astype(i32)
+        def newton(lu, piv, J):
+            # (lu is for I - cJ, this step's c and J: structured, its upper blocks are -cJ's)
+            up = None if structure is None else -c * structure.scatter(J)[2]
 
             def cond(st):
                 it, _, _, _, conv, stop = st
@@ -216,7 +245,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = lu_solve((lu, piv_i), c * f - psi_u - d)
+                dy = solve(lu, piv, c * f - psi_u - d, up)
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -248,11 +277,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
             need = refresh | (c != c_lu)
             lu, piv = _sharding.cond_once(
                 need,
-                lambda: (lambda lp: (lp[0], lp[1].astype(dtype)))(lu_factor(eye - c * J)),
+                lambda: factorise(c, J),
                 lambda: (lu, piv),
                 explicit=False,
             )
-            it, y, d, conv = newton(lu, piv)
+            it, y, d, conv = newton(lu, piv, J)
             return (i + 1, J, lu, piv, jnp.where(need, c, c_lu), fresh | refresh, conv, it, y,
                     d, fe + it, nj + refresh.astype(i32), nl + need.astype(i32))
 
@@ -302,7 +331,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol):
         y_star = sg(y_pred + d_star)
         J = sg(jac(y_star, t_new))
         F = d_star - c * rhs(y_pred + d_star, t_new) + psi
-        x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
+        if structure is not None:
+            x = structure.solve(structure.factor(structure.eye_minus(c, structure.scatter(J))),
+                                F)
+        else:
+            x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
         d = d_star - (x - sg(x))
         y_new = y_pred + d
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h,

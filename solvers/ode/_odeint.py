@@ -108,6 +108,7 @@ def odeint(
     dense=None,
     event_terminal=True,
     max_events=DEFAULT_MAX_EVENTS,
+    jac_sparsity=None,
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -239,6 +240,19 @@ def odeint(
       event_terminal: ``True`` (default): the first crossing stops the integration;
         ``False``: every crossing is recorded and the integration goes on.
       max_events: the crossings kept with ``event_terminal=False`` (default 64).
+      jac_sparsity: the structure of the Jacobian ``∂f/∂y`` of a stiff method
+        (``"bdf"``, ``"kvaerno5"``), like ``scipy.integrate.solve_ivp``'s: a boolean
+        ``(n, n)`` NumPy array or SciPy sparse matrix (True where an entry may be nonzero;
+        ``n`` the size of the raveled state, in ``ravel_pytree`` order) or an int ``w``
+        (the band ``|i - j| <= w``). The Jacobian is then computed by one ``jvp`` per
+        colour of a greedy column colouring of the pattern, kept in block-tridiagonal
+        form after a reverse Cuthill–McKee reordering, and ``I - cJ`` is factored by block
+        LU: work and memory grow linearly with ``n`` for a fixed band (``n x B`` numbers,
+        ``B`` the reordered band's half-width, at least 16). The block LU pivots within
+        blocks only (stable for block diagonally dominant ``I - cJ``, as for diffusion);
+        a singular block gives a failed step, retried smaller. A pattern that misses a
+        nonzero of the Jacobian gives a wrong Jacobian (slower or failed Newton
+        iterations), as in SciPy. ``None`` (default): dense Jacobians and LU.
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -333,6 +347,17 @@ def odeint(
     _checks.check_args(args)
     _check_real(y0)
     y0 = _checks.as_floating(y0, "y0")
+    structure = None
+    if jac_sparsity is not None:
+        if method not in STIFF_METHODS:
+            raise ValueError(
+                f"jac_sparsity= is for the stiff methods {STIFF_METHODS} (it structures "
+                f"their Newton solves); method={method!r} is explicit and forms no Jacobian"
+            )
+        from solvers._sparse import structure as _structure
+
+        size = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(y0))
+        structure = _structure(jac_sparsity, size, "jac_sparsity")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
     rtol, atol = _checks.tolerances(rtol, atol, dtype)
@@ -355,6 +380,7 @@ def odeint(
         adjoint=adjoint,
         window=int(adjoint_window),
         progress=progress,
+        structure=structure,
         max_step=float("inf") if max_step is None else float(max_step),
         event=event,
         direction=event_direction,
@@ -404,12 +430,13 @@ def _ravels_like(out, y0):
             and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves))
 
 
-def _make_stepper(method, max_step=float("inf")):
+def _make_stepper(method, max_step=float("inf"), structure=None):
+    extra = {} if structure is None else {"structure": structure}
     if method == "bdf":
         from solvers.ode._bdf import bdf_stepper
 
         def bdf(*args, **kwargs):
-            return bdf_stepper(*args, **kwargs)._replace(max_step=max_step)
+            return bdf_stepper(*args, **kwargs, **extra)._replace(max_step=max_step)
 
         return bdf
     tab = _tableaus.TABLEAUS[method]
@@ -419,14 +446,14 @@ def _make_stepper(method, max_step=float("inf")):
         make = explicit_stepper
 
     def stepper(*args, **kwargs):
-        return make(tab, *args, **kwargs)._replace(max_step=max_step)
+        return make(tab, *args, **kwargs, **extra)._replace(max_step=max_step)
 
     return stepper
 
 
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
-           options, solver, check, progress=None, record=0, log=0):
+           options, solver, check, progress=None, record=0, log=0, structure=None):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state, the times and the arguments all vary as the problem does,
     # cast here, before f is traced and before they enter the adjoint's custom_vjp. The
@@ -460,7 +487,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     if progress is not None:
         progress = functools.partial(_notify, None if progress is True else progress)
     if adjoint == "forward":
-        make = _make_stepper(method, max_step)
+        make = _make_stepper(method, max_step, structure)
         n = y0_flat.size
 
         stiff = method == "kvaerno5"  # (its stage solves take a derivative order)
@@ -482,8 +509,9 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
 
         def make_solve(**kw):
             return _adjoint.make_solve(
-                _make_stepper(method, max_step), G, y0_flat.size, on_failure=on_failure,
-                report=report, adjoint=adjoint, window=window, max_steps=max_steps, **kw,
+                _make_stepper(method, max_step, structure), G, y0_flat.size,
+                on_failure=on_failure, report=report, adjoint=adjoint, window=window,
+                max_steps=max_steps, **kw,
             )
 
         solve = make_solve(
@@ -510,8 +538,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             )
     else:
         event_solve = _events.make_event_solve(
-            _make_stepper(method, max_step), G, E, y0_flat.size, solve, direction=direction,
-            record=record,
+            _make_stepper(method, max_step, structure), G, E, y0_flat.size, solve,
+            direction=direction, record=record,
         )
         out = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
         zs, stats, result = out[:3]

@@ -11,6 +11,8 @@ of the right-hand side and of the Newton solve). A stage solve that fails reject
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,7 @@ NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tol
 NEWTON_MAX_STEPS = 8
 
 
-def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
+def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, structure=None):
     """The :class:`~solvers.ode._integrate.Stepper` of an ESDIRK pair with explicit first stage.
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
@@ -31,6 +33,12 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
     ``derivative_order``: the order up to which ``diff_step``'s derivatives are exact (one
     chord correction of the stage values per order; the forward sensitivities ask for 2,
     so that ``jax.hessian`` is exact too).
+    ``structure``: a :class:`solvers._sparse.Structure` (``jac_sparsity``): the step's
+    Jacobian by compressed jvps, ``M = I - hγJ`` factored once per step by block LU, and
+    the stage equations solved by simplified Newton iterations with those factors (the
+    stopping test of :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)``
+    once a contraction rate ``ρ < 1/2`` is seen, within ``atol + rtol max|U|``).
+    ``None``: dense, the stages by :func:`solvers.root.newton`.
     """
     from solvers.ode._integrate import Stepper
     from solvers.root import newton
@@ -48,6 +56,38 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
         r = U - base - hg * rhs(U, t)[:n_ctrl]
         return M @ U + jax.lax.stop_gradient(r - M @ U)
 
+    class _Info(NamedTuple):
+        num_steps: Any
+        converged: Any
+
+    def structured_newton(guess, base, hg, t, M):
+        """Simplified Newton on ``U - base - hγ f(U, t) = 0`` with the factors ``M`` of
+        ``I - hγJ`` (block LU), stopping as :func:`solvers.root.newton` does."""
+        dtype = guess.dtype
+        r_tol = NEWTON_KAPPA * rtol
+        a_tol = NEWTON_KAPPA * atol
+
+        def cond(st):
+            it, _, _, conv, bad = st
+            return ~conv & ~bad & (it < NEWTON_MAX_STEPS)
+
+        def body(st):
+            it, U, prev, _, _ = st
+            r = U - base - hg * rhs(U, t)[:n_ctrl]
+            d = -structure.solve(M, r)
+            U_new = U + d
+            err = jnp.max(jnp.abs(d))
+            rate = err / prev
+            scaled = jnp.where((it > 0) & (rate < 0.5), err * rate / (1 - rate), err)
+            bad = ~jnp.all(jnp.isfinite(U_new))
+            conv = ~bad & (scaled <= a_tol + r_tol * jnp.max(jnp.abs(U_new)))
+            return it + 1, jnp.where(bad, U, U_new), err, conv, bad
+
+        st = (jnp.zeros((), jnp.int32), guess, jnp.full((), jnp.inf, dtype), jnp.bool_(False),
+              jnp.bool_(False))
+        it, U, _, conv, _ = jax.lax.while_loop(cond, body, st)
+        return U, _Info(it, conv)
+
     def init(s0, z0):
         return (rhs(z0[:n_ctrl], s0),)
 
@@ -62,8 +102,12 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
         # One Jacobian per step, shared by the six implicit stages. (Keeping it across
         # steps too let Newton stop after one iteration with a stage error near its
         # tolerance, which then swamped the error estimate and stalled the step size.)
-        J = jax.jacfwd(lambda v: rhs(v, s)[:n_ctrl])(u)
-        M = jnp.eye(n_ctrl, dtype=dtype) - hg * J
+        if structure is not None:
+            J = structure.jacobian(lambda v: rhs(v, s)[:n_ctrl], u)
+            M = structure.factor(structure.eye_minus(hg, J))
+        else:
+            J = jax.jacfwd(lambda v: rhs(v, s)[:n_ctrl])(u)
+            M = jnp.eye(n_ctrl, dtype=dtype) - hg * J
         ks = jnp.zeros((stages, z.shape[0]), dtype).at[0].set(k0)
 
         def stage(i, carry):
@@ -72,28 +116,33 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
             base = u + h * (a[i] @ k_u)
             guess = base + hg * (pred[i] @ k_u)
             t = s + c[i] * h
-            U, info = newton(
-                stage_residual,
-                guess,
-                base,
-                hg,
-                t,
-                M,
-                jacobian="dense",
-                line_search=False,
-                rtol=NEWTON_KAPPA * rtol,
-                atol=NEWTON_KAPPA * atol,
-                max_steps=NEWTON_MAX_STEPS,
-                on_failure="ignore",
-                full_output=True,
-            )
+            if structure is not None:
+                U, info = structured_newton(guess, base, hg, t, M)
+            else:
+                U, info = newton(
+                    stage_residual,
+                    guess,
+                    base,
+                    hg,
+                    t,
+                    M,
+                    jacobian="dense",
+                    line_search=False,
+                    rtol=NEWTON_KAPPA * rtol,
+                    atol=NEWTON_KAPPA * atol,
+                    max_steps=NEWTON_MAX_STEPS,
+                    on_failure="ignore",
+                    full_output=True,
+                )
             k = (U - base) / hg
             fevals = fevals + info.num_steps + 1
             if z.shape[0] > n_ctrl:  # quadratures: evaluate them at the stage value
                 k = jnp.concatenate([k, rhs(U, t)[n_ctrl:]])
                 fevals = fevals + 1
             ok = ok & info.converged & jnp.all(jnp.isfinite(k))
-            return ks.at[i].set(k), ok, fevals, jacobians + info.num_steps
+            # (dense: newton factors the iteration matrix at each of its steps)
+            lus = 0 if structure is not None else info.num_steps
+            return ks.at[i].set(k), ok, fevals, jacobians + lus
 
         zero = jnp.zeros((), jnp.int32)
         ks, ok, fevals, jacobians = _sharding.fori_loop(
@@ -101,6 +150,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
         )
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
         err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
+        jacobians = jacobians + (1 if structure is not None else 0)  # (the one block LU)
         return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, jacobians)
 
     def diff_step(s, z, cache, h, ks_star):
@@ -118,21 +168,31 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1):
         hg = h * gamma
         ks_star = jax.lax.stop_gradient(ks_star)
         ks = jnp.zeros_like(ks_star).at[0].set(k0)
-        eye = jnp.eye(n_ctrl, dtype=dtype)
+        eye = None if structure is not None else jnp.eye(n_ctrl, dtype=dtype)
 
         def stage(i, ks):
             base = z + h * (a[i] @ ks)
             U_star = jax.lax.stop_gradient(base + hg * ks_star[i])
             t = s + c[i] * h
-            J = jax.lax.stop_gradient(jax.jacfwd(lambda v: rhs(v, t))(U_star))
-            lu = jax.scipy.linalg.lu_factor(eye - hg * J)
+            if structure is not None:
+                J = jax.lax.stop_gradient(structure.jacobian(lambda v: rhs(v, t), U_star))
+                fac = structure.factor(structure.eye_minus(hg, J))
+
+                def inv(r):
+                    return structure.solve(fac, r)
+            else:
+                J = jax.lax.stop_gradient(jax.jacfwd(lambda v: rhs(v, t))(U_star))
+                lu = jax.scipy.linalg.lu_factor(eye - hg * J)
+
+                def inv(r):
+                    return jax.scipy.linalg.lu_solve(lu, r)
             U = U_star
             # Each chord correction (the Jacobian exact at U*, held fixed) makes one more
             # order of derivatives exact: r(U) = U - base - hγ f(U), whose Jacobian at U*
             # is M, vanishes to order k at U_k.
             for _ in range(derivative_order):
                 r = U - base - hg * rhs(U, t)
-                x = jax.scipy.linalg.lu_solve(lu, r)
+                x = inv(r)
                 U = U - (x - jax.lax.stop_gradient(x))
             return ks.at[i].set((U - base) / hg)
 

@@ -1,0 +1,164 @@
+"""solvers._sparse: colouring, block LU and its transpose (issue 15, jac_sparsity).
+
+Expected values: jax.jacfwd (the dense Jacobian, an independent computation of every
+entry) and numpy.linalg.solve on the dense matrix; never the structured code itself.
+"""
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solvers import _sparse
+from solvers._sparse import Structure, structure
+
+
+def _random_problem(rng, n, density):
+    P = rng.random((n, n)) < density
+    full = P | P.T | np.eye(n, dtype=bool)
+    W = rng.standard_normal((n, n)) * full
+    return P, W
+
+
+def _check_colouring(P, W, x):
+    n = P.shape[0]
+    s = structure(P, n)
+
+    def f(v):
+        return W @ jnp.sin(v) + v**2 * jnp.cos(v[::-1])[0]  # the last term: column 0 dense
+
+    # The pattern must cover f's Jacobian: f's term through v[-1] touches every row.
+    P = P.copy()
+    P[:, n - 1] = True
+    s = structure(P, n)
+    blocks = s.jacobian(f, x)
+    np.testing.assert_allclose(s.dense(blocks), jax.jacfwd(f)(x), rtol=1e-13, atol=1e-13)
+    # No two columns of one colour share a row of the (symmetrised) pattern.
+    full = P | P.T | np.eye(n, dtype=bool)
+    perm = s.perm
+    for c in range(s.num_colors):
+        cols = perm[s.colors == c]
+        assert np.all(full[:, cols].sum(axis=1) <= 1)
+    return s
+
+
+def test_colouring_exact_random_patterns(x64):
+    rng = np.random.default_rng(0)
+    for n, density in [(1, 0.5), (2, 0.5), (17, 0.1), (60, 0.03), (45, 0.3)]:
+        P, W = _random_problem(rng, n, density)
+        _check_colouring(P, W, jnp.asarray(rng.standard_normal(n)))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(n=st.integers(1, 40), density=st.floats(0.0, 0.4), seed=st.integers(0, 2**31 - 1))
+def test_colouring_exact_hypothesis(n, density, seed):
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        P, W = _random_problem(rng, n, density)
+        _check_colouring(P, W, jnp.asarray(rng.standard_normal(n)))
+
+
+def test_band_colours_and_width():
+    s = structure(2, 100)
+    assert (s.bandwidth, s.num_colors) == (2, 5)
+    assert structure(0, 7).num_colors == 1
+    # A banded pattern given as a SciPy sparse matrix, scrambled: RCM restores the band.
+    n = 50
+    band = sp.diags([np.ones(n - abs(k)) for k in (-1, 0, 1)], [-1, 0, 1]).astype(bool)
+    q = np.random.default_rng(1).permutation(n)
+    s = structure(band.tocsr()[q][:, q], n)
+    assert s.bandwidth == 1 and s.num_colors == 3
+
+
+def _dense_solve_case(rng, n, density, c):
+    P, W = _random_problem(rng, n, density)
+    W = W + n * np.eye(n) * 0.0
+    s = structure(P, n)
+    f = lambda v: jnp.asarray(W) @ v  # noqa: E731
+    blocks = s.jacobian(f, jnp.zeros(n))
+    A = np.eye(n) - c * W
+    return s, s.factor(s.eye_minus(c, blocks)), A
+
+
+@pytest.mark.parametrize("n,density,c", [(1, 1.0, 0.3), (30, 0.08, 0.2), (80, 0.02, 0.7),
+                                         (200, 0.005, 0.1)])
+def test_block_lu_solve_against_numpy(x64, n, density, c):
+    rng = np.random.default_rng(n)
+    s, factors, A = _dense_solve_case(rng, n, density, c)
+    b = rng.standard_normal(n)
+    x = s.solve(factors, jnp.asarray(b))
+    np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(s.matvec(factors[2], jnp.asarray(b)), A @ b, rtol=1e-12,
+                               atol=1e-12)
+    X, sinv, blocks = factors
+    np.testing.assert_allclose(s.apply_inverse(X, sinv, blocks[2], jnp.asarray(b)),
+                               np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
+
+
+def test_transpose_solve(x64):
+    """Reverse mode through the solve is the transposed solve (custom_linear_solve)."""
+    rng = np.random.default_rng(3)
+    n = 70
+    s, factors, A = _dense_solve_case(rng, n, 0.04, 0.5)
+    b = jnp.asarray(rng.standard_normal(n))
+    w = rng.standard_normal(n)
+    g = jax.grad(lambda b: jnp.dot(jnp.asarray(w), s.solve(factors, b)))(b)
+    np.testing.assert_allclose(g, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
+    # and the transpose's own code path, directly
+    xt = s._from_blocks(s._solve_blocks_t(factors, s._to_blocks(jnp.asarray(w))))
+    np.testing.assert_allclose(xt, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
+    # jvp as well (the linear solve's tangent)
+    _, t = jax.jvp(lambda b: s.solve(factors, b), (b,), (jnp.asarray(w),))
+    np.testing.assert_allclose(t, np.linalg.solve(A, w), rtol=1e-10, atol=1e-11)
+
+
+def test_large_band_solve_under_jit(x64):
+    """n = 3000, half-width 3: O(n B) memory, matches the dense solve."""
+    n = 3000
+    rng = np.random.default_rng(5)
+    d = rng.standard_normal((7, n))
+    offsets = list(range(-3, 4))
+    Wsp = sp.diags([d[k + 3][: n - abs(k)] for k in offsets], offsets).tocsr()
+    W = jnp.asarray(Wsp.toarray())
+    s = structure(3, n)
+    x = jnp.asarray(rng.standard_normal(n))
+    run = jax.jit(lambda b: s.solve(s.factor(s.eye_minus(0.1, s.jacobian(lambda v: W @ v,
+                                                                              b))), b))
+    A = np.eye(n) - 0.1 * Wsp.toarray()
+    np.testing.assert_allclose(run(x), np.linalg.solve(A, np.asarray(x)), rtol=1e-9,
+                               atol=1e-10)
+
+
+def test_hashable_static():
+    a, b = structure(np.eye(4, dtype=bool), 4), structure(0, 4)
+    assert a == b and hash(a) == hash(b)
+    assert structure(1, 4) != a
+    assert structure(None, 4) is None
+    assert structure(a, 4) is a
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (True, TypeError, "int .* or a boolean"),
+    (-1, ValueError, "half-width must be >= 0"),
+    (np.ones((3, 4), bool), ValueError, r"shape \(4, 4\)"),
+    (np.ones((4, 4)), TypeError, "boolean array"),
+    (np.ones(4, bool), ValueError, r"shape \(4, 4\)"),
+])
+def test_validation(bad, err, match):
+    with pytest.raises(err, match=match):
+        Structure(bad, 4)
+
+
+def test_traced_pattern_refused():
+    with pytest.raises(TypeError, match="must be concrete"):
+        jax.jit(lambda p: Structure(p, 3))(jnp.eye(3, dtype=bool))
+
+
+def test_doctests():
+    failures, tried = doctest.testmod(_sparse)
+    assert tried > 0 and failures == 0
