@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from implicit import _sharding
 from solvers import _status
 from solvers.ode import _integrate
 
@@ -115,6 +116,10 @@ class ODESolution:
         """
         dtype = self.z0.dtype
         t = jnp.asarray(t, dtype)
+        # shard_map: the times vary with the solution (odeint's own inputs do) before
+        # they enter the rule, so each device's cotangent of a time shared by the mesh is
+        # its own, summed once where JAX transposes this cast.
+        t = _sharding.vary_like(t, self.z0)
         shape = t.shape
         flat = _evaluate(self._solve, self.record, self.t_end, self.t0, self.z0, self.theta,
                          self.const, self.ctl, t.reshape(-1))

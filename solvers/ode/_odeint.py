@@ -491,6 +491,12 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             direction=direction,
         )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
+    # (shard_map: the tolerances, first step and budget vary as the state does too. A
+    # branch taken by some elements only (a vmapped cond: the backward passes' step
+    # size picks the first step afresh or not) casts every value it reads to vary
+    # with its predicate, which fails where the branch had cast an invariant one
+    # itself, mixing it with the state.)
+    ctl = _sharding.vary_like(ctl, y0_flat)
     extra = {}
     rec = None
     if event is None or log:
