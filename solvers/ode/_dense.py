@@ -175,7 +175,10 @@ def _bwd(solve, res, g):
         _, vjp, status = jax.vjp(y_at, z0, t0, te_k, theta, has_aux=True)
         return vjp(g_k), status
 
-    (z0_bar, t0_bar, t_bar, theta_bar), status = jax.vmap(one)(te, g_used)
+    # (one integration per time: batched, or one after another for a whole state
+    # sharded over an Explicit mesh, whose loops cannot be vmapped there)
+    (z0_bar, t0_bar, t_bar, theta_bar), status = _sharding.map_like(
+        one, (te, g_used), (z0, record, theta))
     ok = status == _status.CONVERGED
     # A cotangent on a value outside the span (NaN) has no derivative: NaN, not zero.
     wanted = jnp.any(g != 0, axis=1)
