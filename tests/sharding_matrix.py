@@ -216,6 +216,24 @@ def _whole_odeint_event():
     return fn, 1.0, 1e5, float(0.5 + np.log(2.0)), float(-np.log(2.0))
 
 
+def _whole_odeint_nonterminal():
+    """Non-terminal events of one whole sharded state: the mean of ``exp(-k_i t)``
+    crosses 0.5 at ``log 2`` (``k = 1``) and the integration goes on to 1; each element
+    returns its state at 1 plus the first crossing time (not differentiated)."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        ys, info = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                                  on_failure=on_failure, max_steps=60, full_output=True,
+                                  event=lambda y, t, k: jnp.mean(y) - 0.5,
+                                  event_terminal=False, max_events=4)
+        return ys[-1] + info.event_time[0]
+
+    return fn, 1.0, 1e5, float(np.exp(-1.0) + np.log(2.0)), float(-np.exp(-1.0))
+
+
 PROBLEMS = {
     "bisection": lambda: _bisection(solvers.bisection),
     "chandrupatla": lambda: _bisection(solvers.chandrupatla),
@@ -232,6 +250,7 @@ PROBLEMS = {
     "whole_odeint": _whole_odeint,
     "whole_odeint_dense": _whole_odeint_dense,
     "whole_odeint_event": _whole_odeint_event,
+    "whole_odeint_nonterminal": _whole_odeint_nonterminal,
 }
 MODES = ("auto", "explicit", "shard_map", "pmap")
 CHECKS = ("value", "grad", "raise", "nan")

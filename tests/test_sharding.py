@@ -66,21 +66,21 @@ def test_matrix_fast():
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
     and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint vmapped
-    and of one whole sharded state, with its dense output and a terminal event) x every
-    mode x every check."""
+    and of one whole sharded state, with its dense output, a terminal and non-terminal
+    events) x every mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 15 * 4 * 4
+    assert len(cases) == 16 * 4 * 4
     _check(cases)
 
 
 def test_whole_odeint_on_an_explicit_mesh():
     """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
     gradient (discrete adjoint), raise and NaN, the output sharded like the state; the
-    same for its dense output (info.solution.evaluate) and for a terminal event of the
-    whole state (its time and the state there)."""
-    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_dense,whole_odeint_event",
-                       "--modes", "explicit")
-    assert len(cases) == 3 * 4
+    same for its dense output (info.solution.evaluate), a terminal event of the whole
+    state (its time and the state there) and non-terminal events."""
+    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_dense,whole_odeint_event,"
+                       "whole_odeint_nonterminal", "--modes", "explicit")
+    assert len(cases) == 4 * 4
     _check(cases)
 
 

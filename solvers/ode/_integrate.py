@@ -560,7 +560,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         if log:
             ev = ev._replace(log=EventLog(
                 t=jnp.full((log,), jnp.inf, dtype),
-                z=jnp.full((log, N), jnp.nan, dtype),
+                z=_sharding.rows_like(z0, log) + jnp.asarray(jnp.nan, dtype),  # (sharded as z0)
                 index=jnp.full((log,), -1, i32),
                 count=jnp.zeros((), i32),
             ))
