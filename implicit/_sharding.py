@@ -23,6 +23,7 @@ __all__ = [
     "context_manual_axes",
     "fori_loop",
     "like_output",
+    "map_like",
     "match_varying",
     "mesh_of",
     "on_mesh",
@@ -30,6 +31,7 @@ __all__ = [
     "replicated",
     "rows_like",
     "scan",
+    "sharded_explicit",
     "stackable",
     "vary",
     "vary_like",
@@ -209,6 +211,32 @@ def zeros_like(tree):
     if _explicit_mesh(tree) is None:
         return jax.tree.map(jnp.zeros_like, tree)
     return jax.tree.map(lambda v: jnp.where(False, v, jnp.zeros((), v.dtype)), tree)
+
+
+def sharded_explicit(tree):
+    """Whether a leaf of ``tree`` is itself split over an Explicit mesh axis (a whole
+    sharded state, not a ``vmap``ped element of a sharded batch)."""
+    if _explicit_mesh(tree) is None:
+        return False
+    for v in jax.tree.leaves(tree):
+        spec = getattr(getattr(jax.typeof(v), "sharding", None), "spec", ())
+        if any(s is not None for s in spec):
+            return True
+    return False
+
+
+def map_like(f, xs, like):
+    """``jax.vmap(f)(xs)``, or ``jax.lax.map(f, xs)`` (one element after another) where
+    ``like`` (what ``f`` closes over) holds an array sharded over an Explicit mesh.
+
+    ``vmap`` of a loop whose carries hold such an array, with a batched predicate,
+    selects between batched carries with an unsharded mask (JAX 0.10: "select `which`
+    must be scalar or have the same sharding as cases"); a sequential map batches
+    nothing.
+    """
+    if sharded_explicit(like):
+        return jax.lax.map(lambda x: f(*x) if isinstance(x, tuple) else f(x), xs)
+    return jax.vmap(f)(*xs) if isinstance(xs, tuple) else jax.vmap(f)(xs)
 
 
 def rows_like(x, n):

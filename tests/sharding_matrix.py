@@ -12,12 +12,17 @@ and a table at the end. Modes: ``auto`` (a sharded ``jit`` on an Auto mesh),
 element of 64: a catchable error naming the global index 37, no abort), ``nan``
 (exactly the failed element is NaN).
 
-``--replicated`` runs the other cases instead: under ``shard_map`` (float64), the
-gradient of a vmapped (or whole-batch) solve with respect to a parameter that does not
-vary over the mesh, passed with ``in_specs=P()`` (check ``grad_replicated``) or closed
-over by the ``shard_map`` body (``grad_closed``), against the gradient of the same loss
-on the whole batch without ``shard_map``; and that an ``f`` closing over such a traced
-parameter is refused with the way out (``odeint_f_closure``, check ``refused``).
+``--replicated`` runs the other cases instead (``--solvers`` then picks among their
+problems): under ``shard_map`` (float64), the gradient of a vmapped (or whole-batch)
+solve with respect to a parameter that does not vary over the mesh, passed with
+``in_specs=P()`` (check ``grad_replicated``) or closed over by the ``shard_map`` body
+(``grad_closed``), against the gradient of the same loss on the whole batch without
+``shard_map``; that an ``f`` closing over such a traced parameter is refused with the way
+out (``odeint_f_closure``, check ``refused``); and, for odeint's other modes (the
+interpolating adjoint, forward sensitivities, terminal and non-terminal events, dense
+output), the values (``value``), the gradients in that parameter and in the sharded
+batch (``grad_batched``), and forward mode (``jacfwd`` in the parameter, ``jvp_batched``
+in the batch), each against the same computation without ``shard_map``.
 """
 
 import os
@@ -178,6 +183,57 @@ def _whole_odeint():
     return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
 
 
+def _whole_odeint_dense():
+    """Dense output of one whole sharded state: ``y(0.5) = exp(-0.5 k)`` evaluated from
+    the stored steps (its gradient integrates again, to 0.5)."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        _, info = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                                 on_failure=on_failure, max_steps=60, dense=32,
+                                 full_output=True)
+        return info.solution.evaluate(0.5)
+
+    return fn, 1.0, 1e5, float(np.exp(-0.5)), float(-0.5 * np.exp(-0.5))
+
+
+def _whole_odeint_event():
+    """A terminal event of one whole sharded state: the mean of ``exp(-k_i t)`` falls to
+    0.5, at ``t_e = log 2`` for ``k = 1``; each element returns its state there plus
+    ``t_e`` (``d t_e / d k_j = -t_e / N``, so the gradient of the sum is ``-log 2``)."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        ys, info = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                                  on_failure=on_failure, max_steps=60, full_output=True,
+                                  event=lambda y, t, k: jnp.mean(y) - 0.5)
+        return ys[-1] + info.event_time
+
+    return fn, 1.0, 1e5, float(0.5 + np.log(2.0)), float(-np.log(2.0))
+
+
+def _whole_odeint_nonterminal():
+    """Non-terminal events of one whole sharded state: the mean of ``exp(-k_i t)``
+    crosses 0.5 at ``log 2`` (``k = 1``) and the integration goes on to 1; each element
+    returns its state at 1 plus the first crossing time (not differentiated)."""
+
+    def rhs(y, t, k):
+        return -k * y
+
+    def fn(a, on_failure):
+        ys, info = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
+                                  on_failure=on_failure, max_steps=60, full_output=True,
+                                  event=lambda y, t, k: jnp.mean(y) - 0.5,
+                                  event_terminal=False, max_events=4)
+        return ys[-1] + info.event_time[0]
+
+    return fn, 1.0, 1e5, float(np.exp(-1.0) + np.log(2.0)), float(-np.exp(-1.0))
+
+
 PROBLEMS = {
     "bisection": lambda: _bisection(solvers.bisection),
     "chandrupatla": lambda: _bisection(solvers.chandrupatla),
@@ -192,26 +248,59 @@ PROBLEMS = {
     "least_squares": _least_squares,
     "odeint": _odeint,
     "whole_odeint": _whole_odeint,
+    "whole_odeint_dense": _whole_odeint_dense,
+    "whole_odeint_event": _whole_odeint_event,
+    "whole_odeint_nonterminal": _whole_odeint_nonterminal,
 }
 MODES = ("auto", "explicit", "shard_map", "pmap")
 CHECKS = ("value", "grad", "raise", "nan")
 
 
-# Losses of a parameter c that does not vary over the mesh and a batch d that is sharded,
-# for --replicated: c reaches the solver as one of its arguments (odeint: f(y, t, c)).
+# Problems of a parameter c that does not vary over the mesh and a batch d that is sharded,
+# for --replicated: each maps (c, d) to one value per element of d (the loss is the sum of
+# their squares); c reaches the solver as one of its arguments (odeint: f(y, t, c)).
 def _replicated_problems():
     ts = jnp.array([0.0, 0.5, 1.0])
 
-    def ode(**kw):
-        def loss(c, d):
-            ys = jax.vmap(lambda y0: solvers.odeint(lambda y, t, c: -c * y, y0, ts, c,
-                                                    **kw))(d)
-            return jnp.sum(ys[:, -1] ** 2)
+    def decay(y, t, c):
+        return -c * y
 
-        return loss
+    def ode(**kw):
+        def elems(c, d):
+            ys = jax.vmap(lambda y0: solvers.odeint(decay, y0, ts, c, **kw))(d)
+            return ys[:, -1]
+
+        return elems
+
+    def event(terminal, **kw):
+        # y0 exp(-c t) falls to 0.4 c (c = 1.3: at t in 0.6 .. 2.0 for y0 in 1 .. 4)
+        def elems(c, d):
+            def one(y0):
+                ys, info = solvers.odeint(decay, y0, jnp.array([0.0, 1.0, 2.5]), c,
+                                          event=lambda y, t, c: y - 0.4 * c,
+                                          event_terminal=terminal, full_output=True, **kw)
+                if terminal:  # the event time and state (and rows past it: the state)
+                    return info.event_time + info.event_state + ys[1] + ys[-1]
+                # non-terminal: ys (differentiated) and the crossings found (values)
+                return ys[-1] + jax.lax.stop_gradient(info.event_time[0]
+                                                      + info.num_events)
+
+            return jax.vmap(one)(d)
+
+        return elems
+
+    def dense(**kw):
+        def elems(c, d):
+            def one(y0):
+                _, info = solvers.odeint(decay, y0, ts, c, dense=32, full_output=True, **kw)
+                return jnp.sum(info.solution.evaluate(jnp.array([0.3, 0.8])))
+
+            return jax.vmap(one)(d)
+
+        return elems
 
     def vmapped(solve):
-        return lambda c, d: jnp.sum(jax.vmap(lambda a: solve(a, c))(d) ** 2)
+        return lambda c, d: jax.vmap(lambda a: solve(a, c))(d)
 
     def broyden(a, c):
         return solvers.root(lambda x, a, c: x**2 - a * c, jnp.ones(2), a, c,
@@ -221,25 +310,51 @@ def _replicated_problems():
         return solvers.bisection(lambda x, a, c: x**3 - a * c, 0.0, 10.0, a, c)
 
     def whole_anderson(c, d):  # one solve of the whole local batch (GMRES adjoint)
-        x = solvers.fixed_point(lambda x, d, c: 0.3 * c * jnp.tanh(x) + d, jnp.zeros_like(d),
-                                d, c, method="anderson", linear_solver="gmres")
-        return jnp.sum(x**2)
+        return solvers.fixed_point(lambda x, d, c: 0.3 * c * jnp.tanh(x) + d,
+                                   jnp.zeros_like(d), d, c, method="anderson",
+                                   linear_solver="gmres")
 
     return {
         "odeint": ode(),  # the discrete adjoint
         "odeint_backsolve": ode(adjoint="backsolve"),
+        "odeint_interpolate": ode(adjoint="interpolate"),
+        "odeint_forward": ode(adjoint="forward"),
         "odeint_kvaerno5": ode(method="kvaerno5"),
+        "odeint_kvaerno5_interpolate": ode(method="kvaerno5", adjoint="interpolate"),
         "odeint_bdf": ode(method="bdf"),
+        "odeint_event": event(True),
+        "odeint_event_interpolate": event(True, adjoint="interpolate"),
+        "odeint_event_kvaerno5": event(True, method="kvaerno5"),
+        "odeint_event_nonterminal": event(False),
+        "odeint_dense": dense(),
         "bisection": vmapped(bisection),
         "broyden": vmapped(broyden),
         "whole_anderson": whole_anderson,
     }
 
 
-def replicated_case(name, how):
-    """``(ok, detail)``: the gradient in c of problem ``name`` under ``shard_map``, c
-    passed replicated (``how="in_specs"``) or closed over, against the whole batch's
-    gradient without ``shard_map`` (float64, relative 1e-10)."""
+#: --replicated: (problem, check) pairs. grad_replicated: the gradient in c, passed with
+#: in_specs=P(); grad_closed: c closed over by the shard_map body; value: the values;
+#: grad_batched: the gradient in the sharded d; jacfwd: forward mode, jax.jacfwd in c
+#: (one tangent per element), jvp_batched: jax.jvp in d.
+_ODE_MODES = ("odeint_interpolate", "odeint_forward", "odeint_kvaerno5_interpolate",
+              "odeint_event", "odeint_event_interpolate", "odeint_event_kvaerno5",
+              "odeint_event_nonterminal", "odeint_dense")
+REPLICATED_CASES = (
+    [(name, "grad_replicated") for name in (
+        "odeint", "odeint_backsolve", "odeint_kvaerno5", "odeint_bdf", "bisection",
+        "broyden", "whole_anderson")]
+    + [("odeint", "grad_closed"), ("odeint_f_closure", "refused")]
+    + [(name, check) for name in _ODE_MODES
+       for check in ("value", "grad_replicated", "grad_batched")]
+    + [("odeint_forward", "jacfwd"), ("odeint_forward", "jvp_batched")]
+)
+
+
+def replicated_case(name, check):
+    """``(ok, detail)``: problem ``name`` under ``shard_map`` (``check_vma=True``), c
+    replicated and d sharded, against the same computation on the whole batch without
+    ``shard_map`` (float64, relative 1e-10)."""
     c = jnp.float64(1.3)
     d = jnp.linspace(1.0, 4.0, N)
     mesh = jax.make_mesh((8,), ("b",), axis_types=(AxisType.Explicit,))
@@ -257,34 +372,48 @@ def replicated_case(name, how):
             ok = "closes over" in msg and "Pass it to odeint as an argument" in msg
             return ok, msg[:120]
         return False, "no error raised"
-    loss = _replicated_problems()[name]
-    expected = float(jax.jit(jax.grad(loss))(c, d))
-    if how == "in_specs":
-        g = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P())
-        out = float(jax.jit(g)(c, sharded))
-    else:  # the body closes over c (a constant of the program)
-        g = jax.shard_map(lambda d: jax.grad(loss)(c, d), mesh=mesh, in_specs=P("b"),
-                          out_specs=P())
-        out = float(jax.jit(g)(sharded))
-    rel = abs(out - expected) / abs(expected)
-    return rel <= 1e-10, f"{out!r} vs {expected!r} without shard_map (rel err {rel:.1e})"
+    elems = _replicated_problems()[name]
+
+    def loss(c, d):
+        return jnp.sum(elems(c, d) ** 2)
+
+    fn, out_spec = {
+        "grad_replicated": (jax.grad(loss), P()),
+        "grad_closed": (jax.grad(loss), P()),
+        "value": (elems, P("b")),
+        "grad_batched": (jax.grad(loss, argnums=1), P("b")),
+        "jacfwd": (jax.jacfwd(elems), P("b")),
+        "jvp_batched": (lambda c, d: jax.jvp(lambda d: elems(c, d), (d,),
+                                             (jnp.ones_like(d),))[1], P("b")),
+    }[check]
+    expected = np.asarray(jax.jit(fn)(c, d))
+    if check == "grad_closed":  # the body closes over c (a constant of the program)
+        g = jax.shard_map(lambda d: fn(c, d), mesh=mesh, in_specs=P("b"), out_specs=out_spec)
+        out = np.asarray(jax.jit(g)(sharded))
+    else:
+        g = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("b")), out_specs=out_spec)
+        out = np.asarray(jax.jit(g)(c, sharded))
+    scale = np.max(np.abs(expected))
+    rel = float(np.max(np.abs(out - expected)) / scale)
+    finite = bool(np.all(np.isfinite(expected))) and scale > 0
+    return finite and rel <= 1e-10, (
+        f"{np.ravel(out)[:2].tolist()} vs {np.ravel(expected)[:2].tolist()} without "
+        f"shard_map (max rel err {rel:.1e})")
 
 
-def _main_replicated():
+def _main_replicated(only=None):
     jax.config.update("jax_enable_x64", True)
-    # Closed over: the body's constant reaches the solver as the same replicated value.
-    cases = [(name, "in_specs") for name in _replicated_problems()]
-    cases += [("odeint", "closed"), ("odeint_f_closure", "refused")]
     ok_all = True
-    for name, how in cases:
+    for name, check in REPLICATED_CASES:
+        if only and name not in only:
+            continue
         try:
-            ok, detail = replicated_case(name, how)
+            ok, detail = replicated_case(name, check)
         except Exception as err:  # noqa: BLE001
             ok, detail = False, f"{type(err).__name__}: {str(err)[:300]}"
             if os.environ.get("SHARDING_TRACEBACK"):
                 traceback.print_exc()
         ok_all &= ok
-        check = {"in_specs": "grad_replicated", "closed": "grad_closed"}.get(how, how)
         detail = detail.replace("\n", " ")
         print(f"CASE {name} shard_map {check} {'PASS' if ok else 'FAIL'} {detail}", flush=True)
     print("ALL PASS" if ok_all else "SOME FAILED", flush=True)
@@ -365,8 +494,9 @@ def main():
     parser.add_argument("--replicated", action="store_true")
     opts = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
-    if opts.replicated:
-        return _main_replicated()
+    if opts.replicated:  # (--solvers picks among its problems)
+        only = opts.solvers.split(",") if opts.solvers != ",".join(PROBLEMS) else None
+        return _main_replicated(only)
     names, modes, checks = (opts.solvers.split(","), opts.modes.split(","),
                             opts.checks.split(","))
     assert jax.device_count() == 8, jax.devices()

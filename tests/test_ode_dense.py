@@ -218,6 +218,21 @@ def test_dense_failure_nan_covers_nothing(x64):
     assert np.all(np.isnan(np.asarray(info.solution.evaluate(jnp.array([0.0, 0.01, 5.0])))))
 
 
+def test_dense_failure_raises_under_jit_when_only_the_solution_is_used(x64):
+    """on_failure="raise" (the default) also guards the dense output: under jit, a
+    caller that uses only info.solution still gets the error (the check is not dropped
+    as dead code with the unused outputs)."""
+
+    @jax.jit
+    def at(k):
+        _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, max_steps=3, dense=16,
+                         full_output=True)
+        return info.solution.evaluate(5.0)
+
+    with pytest.raises(Exception, match="did not converge"):
+        jax.block_until_ready(at(0.5))
+
+
 def test_dense_bad_input():
     ts = jnp.array([0.0, 1.0])
     with pytest.raises(ValueError, match="full_output=True"):

@@ -66,17 +66,21 @@ def test_matrix_fast():
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
     and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint vmapped
-    and of one whole sharded state) x every mode x every check."""
+    and of one whole sharded state, with its dense output, a terminal and non-terminal
+    events) x every mode x every check."""
     _, cases = _matrix()
-    assert len(cases) == 13 * 4 * 4
+    assert len(cases) == 16 * 4 * 4
     _check(cases)
 
 
 def test_whole_odeint_on_an_explicit_mesh():
     """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
-    gradient (discrete adjoint), raise and NaN, the output sharded like the state."""
-    _, cases = _matrix("--solvers", "whole_odeint", "--modes", "explicit")
-    assert len(cases) == 4
+    gradient (discrete adjoint), raise and NaN, the output sharded like the state; the
+    same for its dense output (info.solution.evaluate), a terminal event of the whole
+    state (its time and the state there) and non-terminal events."""
+    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_dense,whole_odeint_event,"
+                       "whole_odeint_nonterminal", "--modes", "explicit")
+    assert len(cases) == 4 * 4
     _check(cases)
 
 
@@ -88,8 +92,34 @@ def test_gradient_of_a_replicated_parameter_under_shard_map():
     whole-batch Anderson solve, equals the whole batch's gradient without shard_map
     (float64, 1e-10); an f closing over such a traced parameter is refused, saying what
     to do."""
-    _, cases = _matrix("--replicated")
+    _, cases = _matrix("--replicated", "--solvers",
+                       "odeint,odeint_backsolve,odeint_kvaerno5,odeint_bdf,bisection,broyden,"
+                       "whole_anderson,odeint_f_closure")
     assert len(cases) == 9
+    _check(cases)
+
+
+def test_odeint_adjoints_and_forward_mode_under_shard_map():
+    """Under shard_map (check_vma) with vmap, float64: the values, the gradient with
+    respect to a replicated parameter and to the sharded batch of odeint with the
+    interpolating adjoint (dopri5, kvaerno5) and with forward sensitivities
+    (adjoint="forward"), and forward mode itself (jax.jacfwd in the replicated parameter,
+    jax.jvp in the batch), equal those without shard_map (1e-10)."""
+    _, cases = _matrix("--replicated", "--solvers",
+                       "odeint_interpolate,odeint_kvaerno5_interpolate,odeint_forward")
+    assert len(cases) == 3 * 3 + 2
+    _check(cases)
+
+
+def test_odeint_events_and_dense_output_under_shard_map():
+    """Under shard_map (check_vma) with vmap, float64: terminal events (the event time
+    and state, dopri5 with the discrete and interpolating adjoints, kvaerno5),
+    non-terminal events and dense output (info.solution.evaluate): values and gradients
+    (replicated parameter, sharded batch) equal those without shard_map (1e-10)."""
+    _, cases = _matrix("--replicated", "--solvers",
+                       "odeint_event,odeint_event_interpolate,odeint_event_kvaerno5,"
+                       "odeint_event_nonterminal,odeint_dense")
+    assert len(cases) == 5 * 3
     _check(cases)
 
 

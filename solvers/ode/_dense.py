@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from implicit import _sharding
 from solvers import _status
 from solvers.ode import _integrate
 
@@ -115,6 +116,10 @@ class ODESolution:
         """
         dtype = self.z0.dtype
         t = jnp.asarray(t, dtype)
+        # shard_map: the times vary with the solution (odeint's own inputs do) before
+        # they enter the rule, so each device's cotangent of a time shared by the mesh is
+        # its own, summed once where JAX transposes this cast.
+        t = _sharding.vary_like(t, self.z0)
         shape = t.shape
         flat = _evaluate(self._solve, self.record, self.t_end, self.t0, self.z0, self.theta,
                          self.const, self.ctl, t.reshape(-1))
@@ -170,7 +175,10 @@ def _bwd(solve, res, g):
         _, vjp, status = jax.vjp(y_at, z0, t0, te_k, theta, has_aux=True)
         return vjp(g_k), status
 
-    (z0_bar, t0_bar, t_bar, theta_bar), status = jax.vmap(one)(te, g_used)
+    # (one integration per time: batched, or one after another for a whole state
+    # sharded over an Explicit mesh, whose loops cannot be vmapped there)
+    (z0_bar, t0_bar, t_bar, theta_bar), status = _sharding.map_like(
+        one, (te, g_used), (z0, record, theta))
     ok = status == _status.CONVERGED
     # A cotangent on a value outside the span (NaN) has no derivative: NaN, not zero.
     wanted = jnp.any(g != 0, axis=1)

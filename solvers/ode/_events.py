@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from implicit import _sharding
 from solvers.ode import _integrate
 
 __all__ = ["make_event_solve", "DIRECTIONS", "event_grid"]
@@ -110,10 +111,13 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
             return E(u, s, theta, const, ev_theta, ev_const)[index]
 
         f_e = G(ze, te, theta, const)
-        _, g_vjp = jax.vjp(g, ze, te, theta, ev_theta)
-        g_y, g_t, g_th, g_evth = g_vjp(jnp.ones((), dtype))
-        D = jnp.dot(g_y, f_e) + g_t
-        w = jnp.where(fired, (jnp.dot(y_bar, f_e) + t_bar) / jnp.where(fired, D, 1), 0)
+        g_e, g_vjp = jax.vjp(g, ze, te, theta, ev_theta)
+        # (shard_map: the cotangent has the type of the event value)
+        g_y, g_t, g_th, g_evth = g_vjp(_sharding.vary_like(jnp.ones((), dtype), g_e))
+        rep = _sharding.replicated(g_y, f_e)  # (a whole sharded state: an all-reduce)
+        D = jnp.dot(g_y, f_e, out_sharding=rep) + g_t
+        w = jnp.dot(y_bar, f_e, out_sharding=rep)
+        w = jnp.where(fired, (w + t_bar) / jnp.where(fired, D, 1), 0)
         cot = jnp.where(after, 0, gzs)
         cot = cot.at[T - 1].set(jnp.where(fired, y_bar - w * g_y, gzs[T - 1]))
 

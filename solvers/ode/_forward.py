@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from implicit import _sharding
 from solvers.ode import _adjoint, _integrate
 
 __all__ = ["make_solve"]
@@ -32,10 +33,11 @@ def _is_zero(t):
 
 
 def _zero_tangent(x):
-    """A zero tangent for the primal ``x`` (float0 for integer and boolean arrays)."""
+    """A zero tangent for the primal ``x`` (float0 for integer and boolean arrays), varying
+    over the ``shard_map`` axes ``x`` varies over (a tangent has its primal's type)."""
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
+        return _sharding.vary_like(jnp.zeros_like(x), x)
+    return _sharding.vary_like(np.zeros(np.shape(x), jax.dtypes.float0), x)
 
 
 def _join(a, b):
@@ -95,6 +97,9 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
             dirs.append(block.reshape((D,) + jnp.shape(leaf)))
             offset += size
         theta_dirs = jax.tree.unflatten(treedef, dirs)
+        # shard_map: the directions are tangents of the state and the parameters, which
+        # vary over the mesh (odeint casts them); a tangent must have its primal's type.
+        S0, theta_dirs = _sharding.vary_like((S0, theta_dirs), (z0, theta))
 
         # The directions travel as an argument (in ``const``), never closed over: the
         # augmented solve is a custom_jvp traced on its own.

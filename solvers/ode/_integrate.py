@@ -560,7 +560,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         if log:
             ev = ev._replace(log=EventLog(
                 t=jnp.full((log,), jnp.inf, dtype),
-                z=jnp.full((log, N), jnp.nan, dtype),
+                z=_sharding.rows_like(z0, log) + jnp.asarray(jnp.nan, dtype),  # (sharded as z0)
                 index=jnp.full((log,), -1, i32),
                 count=jnp.zeros((), i32),
             ))
@@ -613,12 +613,14 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 lg = ev.log
                 if log:  # non-terminal: keep every crossing and go on
                     zero = jnp.zeros((), i32)
-                    lg, found, counts = jax.lax.cond(
+                    # (rare; under shard_map a loop of at most one trip: cond_once)
+                    lg, found, counts = _sharding.cond_once(
                         fired,
                         lambda lg: log_crossings(event, stepper.restep, (s, h, z_old, ks),
                                                  dense, cross, lg, t0),
                         lambda lg: (lg, jnp.ones((), bool), (zero, zero, zero)),
                         lg,
+                        explicit=False,
                     )
                     bad = bad | ~found
                     fired = jnp.zeros((), bool)

@@ -519,6 +519,12 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             direction=direction,
         )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
+    # (shard_map: the tolerances, first step and budget vary as the state does too. A
+    # branch taken by some elements only (a vmapped cond: the backward passes' step
+    # size picks the first step afresh or not) casts every value it reads to vary
+    # with its predicate, which fails where the branch had cast an invariant one
+    # itself, mixing it with the state.)
+    ctl = _sharding.vary_like(ctl, y0_flat)
     extra = {}
     rec = None
     if event is None or log:
@@ -567,37 +573,24 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         status=stats.status,
         **extra,
     )
+    if event is None and adjoint == "forward" and on_failure == "nan":
+        # NaN values and NaN tangents (the policy's `where` would give the failed
+        # outputs the zero tangent of its NaN constant; the rule made the tangents of a
+        # failure NaN).
+        zs = zs + jnp.where(info.converged, 0.0, jnp.nan).astype(dtype)
+        return jax.vmap(unravel)(zs), info
+    # The event time and state and the dense output's span follow on_failure too (NaN
+    # with "nan"; with "raise" they wait for the check, which a caller using only them
+    # would otherwise drop as dead code under jit, and no error would be raised).
+    more = {}
+    if event is not None:
+        more.update(event_time=info.event_time, event_state=info.event_state)
     if record:
         # The span covered ends at the time reached (or the event); a failure under
         # on_failure="nan" covers nothing (NaN everywhere), under "ignore" what was reached.
-        t_end = info.t_final
-        if on_failure == "nan":
-            t_end = jnp.where(info.converged, t_end, jnp.nan)
-        solution = ODESolution(
-            jax.lax.stop_gradient(rec), t_end, ts[0], y0_flat, theta, const, ctl,
-            solve=make_solve(), unravel=unravel,
-        )
-        info = info._replace(solution=solution)
-    if event is None:
-        if adjoint == "forward" and on_failure == "nan":
-            # NaN values and NaN tangents (the policy's `where` would give the failed
-            # outputs the zero tangent of its NaN constant; the rule made the tangents
-            # of a failure NaN).
-            zs = zs + jnp.where(info.converged, 0.0, jnp.nan).astype(dtype)
-            return jax.vmap(unravel)(zs), info
-        zs = _runner.apply_failure_policy(
-            zs,
-            info,
-            solver=solver,
-            on_failure=on_failure,
-            check=check,
-            max_steps=max_steps,
-            message=_message(solver, max_steps),
-        )
-        return jax.vmap(unravel)(zs), info
-    # The event time and state follow on_failure too (NaN with "nan").
-    zs, t_e, z_e = _runner.apply_failure_policy(
-        (zs, info.event_time, info.event_state),
+        more["t_end"] = info.t_final
+    zs, more = _runner.apply_failure_policy(
+        (zs, more),
         info,
         solver=solver,
         on_failure=on_failure,
@@ -605,7 +598,13 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         max_steps=max_steps,
         message=_message(solver, max_steps, event),
     )
-    return jax.vmap(unravel)(zs), info._replace(event_time=t_e, event_state=z_e)
+    if record:
+        solution = ODESolution(
+            jax.lax.stop_gradient(rec), more.pop("t_end"), ts[0], y0_flat, theta, const,
+            ctl, solve=make_solve(), unravel=unravel,
+        )
+        info = info._replace(solution=solution)
+    return jax.vmap(unravel)(zs), info._replace(**more)
 
 
 def _merge(floating, other, is_float):
