@@ -511,7 +511,6 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     """
     dtype = z0.dtype
     T = ts.shape[0]
-    N = z0.shape[0]
     i32 = jnp.int32
     t0, t_end = ts[0], ts[-1]
     jumps = mode == "jumps"
