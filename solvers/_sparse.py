@@ -31,7 +31,9 @@ differentiating through the scans.
 
 from __future__ import annotations
 
+import functools
 import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +62,23 @@ def structure(jac_sparsity, n, name="jac_sparsity"):
         if jac_sparsity.n != n:
             raise ValueError(f"`{name}` is for {jac_sparsity.n} unknowns, the state has {n}")
         return jac_sparsity
-    return Structure(jac_sparsity, n, name)
+    # The reordering and the colouring run in Python (a tenth of a second at n = 10,000):
+    # once per pattern, not at every call of the solver that is given it.
+    pat = _pattern(jac_sparsity, int(n), name)
+    key = (pat.indptr.dtype.str, pat.indptr.tobytes(), pat.indices.dtype.str,
+           pat.indices.tobytes())
+    return _prepared(int(n), *key)
+
+
+@functools.lru_cache(maxsize=32)
+def _prepared(n, indptr_dtype, indptr, indices_dtype, indices):
+    """The :class:`Structure` of a validated CSR pattern, given by its index arrays."""
+    import scipy.sparse as sp
+
+    indices = np.frombuffer(indices, indices_dtype).copy()
+    pat = sp.csr_matrix((np.ones(indices.size, bool), indices,
+                         np.frombuffer(indptr, indptr_dtype).copy()), shape=(n, n))
+    return Structure(pat, n)
 
 
 def _pattern(jac_sparsity, n, name):
@@ -93,6 +111,8 @@ def _pattern(jac_sparsity, n, name):
         raise TypeError(f"`{name}` must be a boolean array (True where the Jacobian may be "
                         f"nonzero), got dtype {mat.dtype}")
     mat = sp.csr_matrix(mat, dtype=bool)
+    mat.eliminate_zeros()  # (stored False entries are not part of the pattern)
+    mat.sort_indices()
     return mat
 
 
@@ -284,8 +304,7 @@ class Structure:
             return self.matvec(blocks, x)
 
         def solve(_, rhs):
-            return self._from_blocks(self._solve_blocks(factors[0], factors[1], blocks[2],
-                                                        self._to_blocks(rhs)))
+            return self.apply_inverse(factors[0], factors[1], blocks[2], rhs)
 
         def transpose_solve(_, rhs):
             return self._from_blocks(self._solve_blocks_t(factors, self._to_blocks(rhs)))

@@ -380,10 +380,7 @@ def _newton(ops, history_size):
 
     def direction(state):
         x = state.x
-        if ops.jacobian == "dense":
-            fx, factors = ops.value_and_factor(x)
-            return fx, -_lu_solve(factors, fx), jnp.bool_(True), state.eta, None
-        if ops.jacobian == "sparse":
+        if ops.jacobian in ("dense", "sparse"):  # a factored Jacobian
             fx, factors = ops.value_and_factor(x)
             return fx, -ops.apply_inverse(factors, fx), jnp.bool_(True), state.eta, None
         fx, matvec = jax.linearize(ops.fn, x)

@@ -142,6 +142,19 @@ def test_hashable_static():
     assert structure(a, 4) is a
 
 
+def test_a_pattern_is_prepared_once():
+    # The reordering and colouring run once per pattern, whatever form it comes in; a
+    # stored False entry is not part of the pattern.
+    dense = np.eye(50, k=1, dtype=bool) | np.eye(50, dtype=bool)
+    first = structure(dense, 50)
+    assert structure(sp.csr_matrix(dense), 50) is first
+    stored_false = sp.csr_matrix(dense)
+    stored_false[0, 49] = False  # an explicit zero in the CSR data
+    assert stored_false.nnz == first.n * 2 - 1 + 1
+    assert structure(stored_false, 50) is first
+    assert structure(np.eye(50, dtype=bool), 50) is not first
+
+
 @pytest.mark.parametrize("bad,err,match", [
     (True, TypeError, "int .* or a boolean"),
     (-1, ValueError, "half-width must be >= 0"),

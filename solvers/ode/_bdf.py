@@ -146,11 +146,15 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
             return structure.compressed(lambda v: rhs(v, t)[:n], u)
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
 
+    def block_factors(c, J):
+        """The block LU of ``I - cJ`` from the compressed ``J`` (with a structure)."""
+        return structure.factor(structure.eye_minus(c, structure.scatter(J)))
+
     def factorise(c, J):
         """The factors of ``I - cJ`` and the pivots (floats; dense only). Structured: the
         block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
         if structure is not None:
-            X, sinv, _ = structure.factor(structure.eye_minus(c, structure.scatter(J)))
+            X, sinv, _ = block_factors(c, J)
             return (X, sinv), jnp.zeros((n,), J.dtype)
         lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
         return lu, piv.astype(J.dtype)
@@ -162,9 +166,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
 
     def placeholder(J):
         if structure is not None:
-            return jax.tree.map(jnp.zeros_like, jax.eval_shape(
-                lambda J: structure.factor(structure.eye_minus(1.0, structure.scatter(J)))[:2],
-                J))
+            return jax.tree.map(jnp.zeros_like,
+                                jax.eval_shape(lambda J: block_factors(1.0, J)[:2], J))
         return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
@@ -332,8 +335,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         J = sg(jac(y_star, t_new))
         F = d_star - c * rhs(y_pred + d_star, t_new) + psi
         if structure is not None:
-            x = structure.solve(structure.factor(structure.eye_minus(c, structure.scatter(J))),
-                                F)
+            x = structure.solve(block_factors(c, J), F)
         else:
             x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
         d = d_star - (x - sg(x))

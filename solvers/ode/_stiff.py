@@ -85,7 +85,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
 
         st = (jnp.zeros((), jnp.int32), guess, jnp.full((), jnp.inf, dtype), jnp.bool_(False),
               jnp.bool_(False))
-        it, U, _, conv, _ = jax.lax.while_loop(cond, body, st)
+        it, U, _, conv, _ = _sharding.while_loop(cond, body, st)
         return U, _Info(it, conv)
 
     def init(s0, z0):
