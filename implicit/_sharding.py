@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,7 +22,9 @@ __all__ = [
     "cond",
     "cond_once",
     "context_manual_axes",
+    "dot",
     "fori_loop",
+    "gathered",
     "like_output",
     "map_like",
     "match_varying",
@@ -32,12 +35,14 @@ __all__ = [
     "rows_like",
     "scan",
     "sharded_explicit",
+    "split_like",
     "stackable",
     "vary",
     "vary_like",
     "varying",
     "while_loop",
     "zeros_like",
+    "zeros_of",
 ]
 
 
@@ -149,6 +154,13 @@ def on_mesh(tree):
     return jax.tree.map(put, tree)
 
 
+def dot(a, b):
+    """``jnp.dot(a, b)``, its result replicated where ``a`` or ``b`` is split over an
+    Explicit mesh (which asks where a contraction over a split axis goes: an inner
+    product of split vectors, a split Jacobian's product)."""
+    return jnp.dot(a, b, out_sharding=P() if sharded_explicit((a, b)) else None)
+
+
 def stackable(values):
     """Scalars ready for ``jnp.stack`` on an Explicit mesh (``values`` itself elsewhere).
 
@@ -213,6 +225,21 @@ def zeros_like(tree):
     return jax.tree.map(lambda v: jnp.where(False, v, jnp.zeros((), v.dtype)), tree)
 
 
+def zeros_of(shapes):
+    """Zeros shaped as ``jax.eval_shape``'s ``shapes`` (a pytree), split as they are over
+    an Explicit mesh (a loop's placeholder for values its body computes)."""
+
+    def one(s):
+        sharding = getattr(s, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        split = any(p is not None for p in getattr(sharding, "spec", ()))
+        if split and any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+            return jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(one, shapes)
+
+
 def sharded_explicit(tree):
     """Whether a leaf of ``tree`` is itself split over an Explicit mesh axis (a whole
     sharded state, not a ``vmap``ped element of a sharded batch)."""
@@ -223,6 +250,31 @@ def sharded_explicit(tree):
         if any(s is not None for s in spec):
             return True
     return False
+
+
+def gathered(x):
+    """``x`` replicated over the Explicit mesh it is split over (``x`` itself where it is
+    not split over one): for a computation XLA does not partition (an LU)."""
+    if not sharded_explicit(x):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(_explicit_mesh(x), P()))
+
+
+def split_like(x, like):
+    """``x`` (of ``like``'s shape) split as ``like`` is: the inverse of :func:`gathered`.
+
+    On an Explicit mesh, resharded to ``like``'s sharding where ``like`` is split (the
+    element of a ``vmap``ped batch is not: unchanged); elsewhere outside ``shard_map``,
+    tied to ``like`` by ``shard_alike`` (on an Auto mesh, XLA's sharding
+    propagation would otherwise replicate what an unpartitioned computation, an LU,
+    returns, and a gradient would come back replicated; a no-op on one device).
+    """
+    if sharded_explicit(like):
+        return jax.sharding.reshard(x, jax.typeof(like).sharding)
+    if (context_manual_axes() or _explicit_mesh((x, like)) is not None
+            or jnp.shape(x) != jnp.shape(like)):
+        return x
+    return shard_alike(x, like)[0]
 
 
 def map_like(f, xs, like):

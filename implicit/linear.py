@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.sparse import linalg as jsp_linalg
 
-from implicit import _sharding
+from implicit import _lu, _sharding
 
 __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve"]
 
@@ -159,8 +159,9 @@ def _dense(matvec, b, rtol, atol, max_steps):
         return ravel_pytree(matvec(unravel(v)))[0]
 
     eye = _sharding.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
-    columns = jax.vmap(matvec_flat)(eye)
-    return unravel(jnp.linalg.solve(columns.T, b_flat))
+    # (each column's input split like b on an Explicit mesh, as the matvec expects)
+    columns = jax.vmap(lambda e: matvec_flat(_sharding.split_like(e, b_flat)))(eye)
+    return unravel(_lu.solve(_lu.factor(columns.T), b_flat))
 
 
 def _diagonal(matvec, b, rtol, atol, max_steps):

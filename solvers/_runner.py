@@ -232,7 +232,8 @@ def iterate(
     def record(status, error, best, since):
         if window is None:
             return status, error
-        return jnp.stack([jnp.asarray(v).astype(acc) for v in (status, error, best, since)])
+        values = [jnp.asarray(v).astype(acc) for v in (status, error, best, since)]
+        return jnp.stack(_sharding.stackable(values))  # (batched alike: Explicit mesh)
 
     def cond(carry):
         _, k, rec, _ = carry

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks
+from implicit import _checks, _lu, _sharding
 from solvers import _runner, _status
 from solvers.minimize import auto_linear_solver, line_search
 
@@ -152,14 +152,15 @@ def _solve(x0, args, rtol, atol, *, residual, method, options, solver, check):
         def evaluate(v):
             """``(0.5 ||r||², (r, J))`` at ``v``."""
             j, r = jac(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(v)
-            return 0.5 * jnp.sum(r * r), (r, j)
+            # (J whole on every device of an Explicit mesh: its factorisations need it)
+            return 0.5 * jnp.sum(r * r), (r, _sharding.gathered(j))
 
         make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
         state, info = _runner.iterate(
             make(evaluate, rtol), x0_flat, rtol=rtol, atol=atol,
             max_steps=options.max_steps, record_history=options.full_output,
         )
-        info = info._replace(residual=_runner.max_norm(state.j.T @ state.r))
+        info = info._replace(residual=_runner.max_norm(_sharding.dot(state.j.T, state.r)))
         return unravel(state.x), info
 
     def optimality(x, *args):  # ∇ 0.5 ||r||² = Jᵀ r
@@ -182,13 +183,13 @@ class _State(NamedTuple):
     d: Any  # LM scaling: the largest diag(JᵀJ) so far
 
 
-def _gauss_newton_step(r, j):
-    return -jnp.linalg.lstsq(j, r)[0]
+def _gauss_newton_step(r, j, x):
+    return -_sharding.split_like(jnp.linalg.lstsq(j, _sharding.gathered(r))[0], x)
 
 
 def _error(x, f, r, j, rtol):
     """The test's error (see the module docstring) and the Gauss–Newton step."""
-    h = _gauss_newton_step(r, j)
+    h = _gauss_newton_step(r, j, x)
     error = jnp.max(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
     return jnp.where(jnp.isfinite(f), error, jnp.nan), h
 
@@ -212,14 +213,14 @@ def _levenberg_marquardt(evaluate, rtol):
 
     def step(state):
         x, f, r, j, mu, nu = state.x, state.f, state.r, state.j, state.mu, state.nu
-        g = j.T @ r
+        g = _sharding.split_like(_sharding.dot(j.T, r), x)
         d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
         # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
         d = jnp.where(d > 0, d, 1.0)
-        h = jnp.linalg.solve(j.T @ j + mu * jnp.diag(d), -g)
+        h = _lu.solve(_lu.factor(j.T @ j + mu * jnp.diag(d)), -g)
         x_new = x + h
         f_new, (r_new, j_new) = evaluate(x_new)
-        predicted = 0.5 * jnp.dot(h, mu * d * h - g)  # the model's decrease, > 0
+        predicted = 0.5 * _sharding.dot(h, mu * d * h - g)  # the model's decrease, > 0
         rho = (f - f_new) / jnp.where(predicted > 0, predicted, 1.0)
         ok = jnp.isfinite(f_new) & jnp.all(jnp.isfinite(h)) & (predicted > 0) & (rho > 0)
         factor = jnp.maximum(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3)
@@ -241,12 +242,12 @@ def _gauss_newton(evaluate, rtol):
 
     def step(state):
         x, f, r, j = state.x, state.f, state.r, state.j
-        g = j.T @ r
-        h = _gauss_newton_step(r, j)
-        slope = jnp.dot(g, h)
+        g = _sharding.split_like(_sharding.dot(j.T, r), x)
+        h = _gauss_newton_step(r, j, x)
+        slope = _sharding.dot(g, h)
         descent = jnp.isfinite(slope) & (slope < 0)
         x_new, f_new, (r_new, j_new), _, ok = line_search(
-            evaluate, x, f, slope, h, 1.0, lambda extra: jnp.dot(extra[1].T @ extra[0], h),
+            evaluate, x, f, slope, h, 1.0, lambda extra: _sharding.dot(_sharding.dot(extra[1].T, extra[0]), h),
             skip=~descent,
         )
         ok = ok & descent

@@ -305,7 +305,7 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False, box=None, 
     floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(f)
 
     def accepted(t, x_t, f_t, extra):
-        decrease = t * slope if box is None else jnp.dot(g, x_t - x)
+        decrease = t * slope if box is None else _sharding.dot(g, x_t - x)
         armijo = f_t <= f + _ARMIJO * decrease  # False for NaN
         dphi = derivative(extra)
         approximate = (f_t <= f + floor) & (dphi <= -0.8 * slope) & (dphi >= 0.9 * slope)
@@ -319,7 +319,7 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False, box=None, 
         return x_t, f_t, extra
 
     shapes = jax.eval_shape(trial, t0)
-    placeholder = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    placeholder = _sharding.zeros_of(shapes)
 
     def cond(carry):
         t, (x_t, f_t, extra), i = carry
@@ -393,14 +393,14 @@ def _method(value_and_grad, init_memory, direction, update, box=None):
             d, t0, steepest = direction(state._replace(g=jnp.where(active, 0.0, g)))
             d = jnp.where(active, 0.0, d)
             fallback = -_stationarity(x, g, box)
-        slope = jnp.dot(g, d)
+        slope = _sharding.dot(g, d)
         descent = jnp.isfinite(slope) & (slope < 0)
         d = jnp.where(descent, d, fallback)
         t0 = jnp.where(descent, t0, _first_step(g)).astype(x.dtype)
         steepest = steepest | ~descent
-        slope = jnp.dot(g, d)
+        slope = _sharding.dot(g, d)
         x_t, f_t, g_t, t, ok = line_search(value_and_grad, x, f, slope, d, t0,
-                                           lambda g_t: jnp.dot(g_t, d), box=box, g=g)
+                                           lambda g_t: _sharding.dot(g_t, d), box=box, g=g)
         y = g_t - g if box is None else jnp.where(active, 0.0, g_t - g)
         memory = update(state.memory, x_t - x, y, ok)
         memory = jax.tree.map(lambda new, old: jnp.where(ok, new, old), memory,
@@ -472,7 +472,7 @@ def _optax_method(tx, value_and_grad, unravel, value_tree, box=None):
 def _curvature_ok(s, y):
     """The curvature condition ``sᵀy > 0`` (relative to rounding): the BFGS update of a
     positive definite matrix stays positive definite."""
-    sy = jnp.dot(s, y)
+    sy = _sharding.dot(s, y)
     eps = jnp.finfo(s.dtype).eps
     return sy > eps * jnp.sqrt(jnp.sum(s * s) * jnp.sum(y * y))
 
@@ -507,7 +507,7 @@ def _lbfgs(value_and_grad, history_size):
     m = history_size
 
     def init(x0):
-        zeros = jnp.zeros((m, x0.size), x0.dtype)
+        zeros = _sharding.rows_like(x0, m)  # (split like x0 on an Explicit mesh)
         return _LBFGSMemory(zeros, zeros, jnp.zeros((m,), x0.dtype), jnp.int32(0))
 
     def direction(state):
@@ -517,19 +517,19 @@ def _lbfgs(value_and_grad, history_size):
         def backward(i, carry):  # newest to oldest
             q, alpha = carry
             j = (mem.k - 1 - i) % m
-            a = jnp.where(i < count, mem.rho[j] * jnp.dot(mem.s[j], q), 0.0)
+            a = jnp.where(i < count, mem.rho[j] * _sharding.dot(mem.s[j], q), 0.0)
             return q - a * mem.y[j], alpha.at[j].set(a)
 
         q, alpha = _sharding.fori_loop(0, m, backward, (g, jnp.zeros((m,), g.dtype)))
         newest = (mem.k - 1) % m
-        yy = jnp.dot(mem.y[newest], mem.y[newest])
+        yy = _sharding.dot(mem.y[newest], mem.y[newest])
         gamma = jnp.where(mem.k > 0, 1.0 / (mem.rho[newest] * jnp.where(yy > 0, yy, 1.0)),
                           1.0)
         r = gamma * q
 
         def forward(i, r):  # oldest to newest
             j = (mem.k - count + i) % m
-            b = mem.rho[j] * jnp.dot(mem.y[j], r)
+            b = mem.rho[j] * _sharding.dot(mem.y[j], r)
             return jnp.where(i < count, r + (alpha[j] - b) * mem.s[j], r)
 
         r = _sharding.fori_loop(0, m, forward, r)
@@ -540,7 +540,7 @@ def _lbfgs(value_and_grad, history_size):
     def update(mem, s, y, ok):
         good = ok & _curvature_ok(s, y)
         slot = mem.k % m
-        sy = jnp.dot(s, y)
+        sy = _sharding.dot(s, y)
         new = _LBFGSMemory(
             mem.s.at[slot].set(s), mem.y.at[slot].set(y),
             mem.rho.at[slot].set(1.0 / jnp.where(good, sy, 1.0)), mem.k + 1,
@@ -560,19 +560,21 @@ def _bfgs(value_and_grad, history_size):
 
     def direction(state):
         h, fresh = state.memory
-        d = -(h @ state.g)
+        d = -_sharding.split_like(_sharding.dot(h, state.g), state.g)
         return d, jnp.where(fresh, _first_step(state.g), 1.0), fresh
 
     def update(memory, s, y, ok):
         h, fresh = memory
+        # (H is whole on every device of an Explicit mesh, and so are its updates)
+        s, y = _sharding.gathered(s), _sharding.gathered(y)
         good = ok & _curvature_ok(s, y)
-        sy = jnp.dot(s, y)
+        sy = _sharding.dot(s, y)
         rho = 1.0 / jnp.where(good, sy, 1.0)
-        h = jnp.where(fresh, sy / jnp.where(good, jnp.dot(y, y), 1.0) * h, h)
-        hy = h @ y
+        h = jnp.where(fresh, sy / jnp.where(good, _sharding.dot(y, y), 1.0) * h, h)
+        hy = _sharding.dot(h, y)
         # (I - ρ s yᵀ) H (I - ρ y sᵀ) + ρ s sᵀ, expanded.
         h_new = (h - rho * (jnp.outer(s, hy) + jnp.outer(hy, s))
-                 + (rho * rho * jnp.dot(y, hy) + rho) * jnp.outer(s, s))
+                 + (rho * rho * _sharding.dot(y, hy) + rho) * jnp.outer(s, s))
         return jnp.where(good, h_new, memory[0]), jnp.where(good, False, fresh)
 
     return init, direction, update
@@ -604,13 +606,13 @@ def _newton_cg(value_and_grad, history_size):
         def body(carry):
             d, r, p, i, _ = carry
             hp = hvp(p)
-            curvature = jnp.dot(p, hp)
-            rr = jnp.dot(r, r)
+            curvature = _sharding.dot(p, hp)
+            rr = _sharding.dot(r, r)
             negative = ~(curvature > 0)
             alpha = rr / jnp.where(negative, 1.0, curvature)
             d_new = d + alpha * p
             r_new = r + alpha * hp
-            beta = jnp.dot(r_new, r_new) / jnp.where(rr > 0, rr, 1.0)
+            beta = _sharding.dot(r_new, r_new) / jnp.where(rr > 0, rr, 1.0)
             p_new = -r_new + beta * p
             keep = lambda new, old: jnp.where(negative, old, new)  # noqa: E731
             return keep(d_new, d), keep(r_new, r), keep(p_new, p), i + 1, negative

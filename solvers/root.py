@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, _sharding, linear
+from implicit import _checks, _lu, _sharding, linear
 from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
@@ -321,19 +321,6 @@ def _norm(v):
     return jnp.sqrt(jnp.sum(v * v))
 
 
-def _lu_factor(a):
-    lu, _, permutation = jax.lax.linalg.lu(a)
-    return lu, permutation
-
-
-def _lu_solve(factors, b):
-    lu, permutation = factors
-    y = jax.lax.linalg.triangular_solve(
-        lu, b[permutation, None], left_side=True, lower=True, unit_diagonal=True
-    )
-    return jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)[:, 0]
-
-
 def _gmres(matvec, b, tol):
     # The engine's GMRES (restarted, early exit inside a cycle); an inexact direction is
     # fine: the line search and the next Newton step absorb the error.
@@ -353,7 +340,7 @@ class _Linear(NamedTuple):
         the point), from one forward-mode pass where ``J`` is dense."""
         if self.jacobian == "dense":
             jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(self.fn(v)), has_aux=True)(x)
-            return fx, _lu_factor(jac)
+            return fx, _lu.factor(jac)
         if self.jacobian == "sparse":
             s = self.structure
             return self.fn(x), s.factor(s.jacobian(self.fn, x))
@@ -362,7 +349,7 @@ class _Linear(NamedTuple):
     def apply_inverse(self, factors, v):
         """``J⁻¹ v`` for the Jacobian :meth:`factor` returned."""
         if self.jacobian == "dense":
-            return _lu_solve(factors, v)
+            return _lu.solve(factors, v)
         if self.jacobian == "sparse":
             return self.structure.solve(factors, v)
         return _gmres(jax.linearize(self.fn, factors)[1], v, self.eta_min)
@@ -439,7 +426,7 @@ def _apply_h(ops, q, v):
     w = ops.apply_inverse(q.factors, v)
     if q.s.shape[0] == 0:  # chord
         return w
-    body = lambda i, w: jnp.where(i < q.k, w + q.u[i] * jnp.dot(q.s[i], w), w)  # noqa: E731
+    body = lambda i, w: jnp.where(i < q.k, w + q.u[i] * _sharding.dot(q.s[i], w), w)  # noqa: E731
     return _sharding.fori_loop(0, q.s.shape[0], body, w)
 
 
@@ -467,10 +454,10 @@ def _broyden(ops, history_size):
         z = _apply_h(ops, q, fx)  # H_k F(x_next)
         step = x - state.x
         hy = z + d  # H_k (F(x_next) - F(x)), as H_k F(x) = -d
-        denom = jnp.dot(step, hy)
+        denom = _sharding.dot(step, hy)
         good = jnp.abs(denom) > eps * _norm(step) * _norm(hy)
         u_k = (step - hy) / jnp.where(good, denom, 1.0)
-        d_next = -(z + u_k * jnp.dot(step, z))
+        d_next = -(z + u_k * _sharding.dot(step, z))
         keep = moved & good
         slot = jnp.minimum(q.k, q.s.shape[0] - 1)
         s = jnp.where(keep, q.s.at[slot].set(step), q.s)
@@ -604,7 +591,8 @@ def _dogleg(fn, project):
 
     def evaluate(y):
         jac, fy = jax.jacfwd(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(y)
-        newton = -_lu_solve(_lu_factor(jac), fy)
+        jac = _sharding.gathered(jac)  # (whole, as its LU needs it, on an Explicit mesh)
+        newton = -_lu.solve(_lu.factor(jac), fy)
         return fy, jac, jnp.where(_runner.max_norm(fy) == 0, 0.0, newton)
 
     def init(x0):
@@ -618,16 +606,17 @@ def _dogleg(fn, project):
     def proposal(state):
         """The dogleg step for the state's trust region, and its 2-norm."""
         fx, jac, newton, radius = state.fx, state.jac, state.newton, state.radius
-        g = jac.T @ fx  # the gradient of |F|² / 2
-        jg = jac @ g
+        dot = _sharding.dot  # (inner products of split vectors on an Explicit mesh)
+        g = _sharding.split_like(dot(jac.T, fx), newton)  # the gradient of |F|² / 2
+        jg = dot(jac, g)
         g_norm = _norm(g)
-        cauchy = -(g @ g) / jnp.where(jg @ jg > 0, jg @ jg, 1.0) * g
+        cauchy = -dot(g, g) / jnp.where(dot(jg, jg) > 0, dot(jg, jg), 1.0) * g
         c_norm = _norm(cauchy)
         n_norm = _norm(newton)
         newton_ok = jnp.isfinite(n_norm)
         edge = -radius / jnp.where(g_norm > 0, g_norm, 1.0) * g  # steepest descent, |.|=Δ
         d = jnp.where(newton_ok, newton, 0.0) - cauchy
-        a, b, c = d @ d, 2.0 * (cauchy @ d), c_norm**2 - radius**2
+        a, b, c = dot(d, d), 2.0 * dot(cauchy, d), c_norm**2 - radius**2
         tau = (-b + jnp.sqrt(jnp.maximum(b * b - 4 * a * c, 0.0))) / jnp.where(a > 0, 2 * a, 1)
         dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
         p = jnp.where(newton_ok & (n_norm <= radius), newton,
@@ -638,9 +627,10 @@ def _dogleg(fn, project):
         p, p_norm = proposal(state)
         y = jnp.where(state.evaluated, project(state.x + p), state.x)
         fy, jac_y, newton_y = evaluate(y)
-        f2, fy2 = state.fx @ state.fx, fy @ fy
-        model = state.fx + state.jac @ p
-        predicted = f2 - model @ model
+        dot = _sharding.dot
+        f2, fy2 = dot(state.fx, state.fx), dot(fy, fy)
+        model = state.fx + dot(state.jac, p)
+        predicted = f2 - dot(model, model)
         rho = (f2 - fy2) / jnp.where(predicted > 0, predicted, 1.0)
         good = jnp.isfinite(fy2) & (predicted > 0) & (rho > _TRUST_ACCEPT)
         accept = ~state.evaluated | good
@@ -678,7 +668,7 @@ def _initial_quasi(ops, history_size):
     """Chord/Broyden state before the first step (which refreshes the Jacobian)."""
 
     def init(x0):
-        zeros = jnp.zeros((history_size, x0.size), x0.dtype)
+        zeros = _sharding.rows_like(x0, history_size)  # (split like x0 on a mesh)
         return _Quasi(
             d=jnp.zeros_like(x0), factors=ops.placeholder(x0), s=zeros, u=zeros,
             k=jnp.int32(0), refresh=jnp.bool_(True),

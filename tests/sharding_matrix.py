@@ -108,6 +108,47 @@ def _newton(method="newton"):
     return fn, 4.0, -4.0, 2.0, 0.25
 
 
+def _whole_root(method):
+    """One system of the whole (sharded) batch, ``x_i² = a_i``: its dense Jacobian (one
+    matrix of the whole state, split over the mesh) is factored as one LU."""
+
+    def F(x, a):
+        return x**2 - a
+
+    def fn(a, on_failure):
+        return solvers.root(F, jnp.ones_like(a), a, method=method, on_failure=on_failure,
+                            max_steps=50)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _whole_minimize(method="lbfgs"):
+    """One minimisation over the whole (sharded) batch: ``x_i* = sqrt(a_i)``."""
+
+    def fun(x, a):
+        return jnp.sum(0.25 * x**4 - 0.5 * a * x**2) + 0.0 * jnp.sum(jnp.sqrt(a))
+
+    def fn(a, on_failure):
+        return solvers.minimize(fun, jnp.ones_like(a), a, method=method,
+                                on_failure=on_failure, max_steps=100)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
+def _whole_least_squares(method="levenberg-marquardt"):
+    """One least-squares problem over the whole (sharded) batch, residuals
+    ``(x² - a, 2x² - 2a)``: ``x_i* = sqrt(a_i)``."""
+
+    def residual(x, a):
+        return jnp.concatenate([x**2 - a, 2.0 * x**2 - 2.0 * a + 0.0 * jnp.sqrt(a)])
+
+    def fn(a, on_failure):
+        return solvers.least_squares(residual, jnp.ones_like(a), a, method=method,
+                                     on_failure=on_failure, max_steps=100)
+
+    return fn, 4.0, -4.0, 2.0, 0.25
+
+
 def _dogleg():
     def F(x, a):
         return x**2 - a
@@ -168,19 +209,23 @@ def _odeint():
     return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
 
 
-def _whole_odeint():
+def _whole_odeint(**kw):
     """One integration of the whole (sharded) state, one decay rate per component (not
-    vmapped): the stage buffers, records and the adjoint's state are the state's size."""
+    vmapped): the stage buffers, records and the adjoint's state are the state's size.
+    ``kw``: the method or adjoint (a stiff method's Newton iteration factorises the
+    whole sharded Jacobian)."""
 
     def rhs(y, t, k):
         return -k * y
 
     def fn(a, on_failure):
         ys = solvers.odeint(rhs, jnp.ones_like(a), jnp.array([0.0, 1.0]), a,
-                            on_failure=on_failure, max_steps=60)
+                            on_failure=on_failure, max_steps=60, **kw)
         return ys[-1]
 
-    return fn, 1.0, 1e5, float(np.exp(-1.0)), float(-np.exp(-1.0))
+    # A stiff method takes k = 1e5 in its stride; growth at k = -1e3 overflows float32.
+    bad = -1e3 if kw.get("method") in ("kvaerno5", "bdf") else 1e5
+    return fn, 1.0, bad, float(np.exp(-1.0)), float(-np.exp(-1.0))
 
 
 def _whole_odeint_dense():
@@ -244,10 +289,21 @@ PROBLEMS = {
     "newton": _newton,
     "broyden": lambda: _newton("broyden"),
     "dogleg": _dogleg,
+    "whole_newton": lambda: _whole_root("newton"),
+    "whole_broyden": lambda: _whole_root("broyden"),
+    "whole_dogleg": lambda: _whole_root("dogleg"),
+    "whole_minimize": _whole_minimize,
+    "whole_bfgs": lambda: _whole_minimize("bfgs"),
+    "whole_newton_cg": lambda: _whole_minimize("newton-cg"),
+    "whole_least_squares": _whole_least_squares,
+    "whole_gauss_newton": lambda: _whole_least_squares("gauss-newton"),
     "minimize": _minimize,
     "least_squares": _least_squares,
     "odeint": _odeint,
     "whole_odeint": _whole_odeint,
+    "whole_odeint_backsolve": lambda: _whole_odeint(adjoint="backsolve"),
+    "whole_odeint_kvaerno5": lambda: _whole_odeint(method="kvaerno5"),
+    "whole_odeint_bdf": lambda: _whole_odeint(method="bdf"),
     "whole_odeint_dense": _whole_odeint_dense,
     "whole_odeint_event": _whole_odeint_event,
     "whole_odeint_nonterminal": _whole_odeint_nonterminal,

@@ -65,11 +65,12 @@ def test_matrix_fast():
 @pytest.mark.slow
 def test_matrix_full():
     """Every solver (bisection, chandrupatla, fixed_point iterate and anderson, vmapped
-    and whole-batch, newton, broyden, dogleg, minimize, least_squares, odeint vmapped
-    and of one whole sharded state, with its dense output, a terminal and non-terminal
-    events) x every mode x every check."""
-    _, cases = _matrix()
-    assert len(cases) == 16 * 4 * 4
+    and whole-batch, newton, broyden, dogleg, minimize, least_squares, vmapped and as
+    one problem of the whole sharded state with each method, odeint vmapped and of one
+    whole sharded state, with each method, the backsolve adjoint, its dense output, a
+    terminal and non-terminal events) x every mode x every check."""
+    _, cases = _matrix(timeout=1500)
+    assert len(cases) == 27 * 4 * 4
     _check(cases)
 
 
@@ -81,6 +82,20 @@ def test_whole_odeint_on_an_explicit_mesh():
     _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_dense,whole_odeint_event,"
                        "whole_odeint_nonterminal", "--modes", "explicit")
     assert len(cases) == 4 * 4
+    _check(cases)
+
+
+def test_whole_state_solves_on_an_explicit_mesh():
+    """One problem of the whole sharded state on an Explicit mesh, its dense Jacobian or
+    inverse-Hessian gathered (an LU is not partitioned), the result split like the
+    state: root (newton, broyden, dogleg), minimize (lbfgs, bfgs, newton-cg),
+    least_squares (Levenberg-Marquardt, Gauss-Newton) and odeint with the stiff methods
+    (kvaerno5, bdf) and the backsolve adjoint: value, gradient, raise and NaN."""
+    names = ("whole_newton,whole_broyden,whole_dogleg,whole_minimize,whole_bfgs,"
+             "whole_newton_cg,whole_least_squares,whole_gauss_newton,"
+             "whole_odeint_backsolve,whole_odeint_kvaerno5,whole_odeint_bdf")
+    _, cases = _matrix("--solvers", names, "--modes", "explicit")
+    assert len(cases) == 11 * 4
     _check(cases)
 
 

@@ -51,6 +51,14 @@ def _flat(tree, dtype):
     return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
 
 
+def _cat(parts):
+    """``jnp.concatenate(parts)`` for the backsolve adjoint's augmented state: on an
+    Explicit mesh its pieces (a state split over the mesh, parameters' cotangents split
+    their own ways, scalars) are gathered first, and the augmented system is integrated
+    replicated (docs/scaling.md)."""
+    return jnp.concatenate([_sharding.gathered(p) for p in parts])
+
+
 def _unflat(flat, like):
     """The parameters' cotangent ``flat`` as a pytree like ``theta`` (``like``).
 
@@ -164,8 +172,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         theta, lam_q = theta2
         u, lam_u = u2[:n_ctrl], u2[n_ctrl:]
         dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
-        u_bar, theta_bar = vjp(jnp.concatenate([lam_u, lam_q]))
-        return jnp.concatenate([-dz[:n_ctrl], u_bar, _flat(theta_bar, dz.dtype)])
+        u_bar, theta_bar = vjp(_sharding.split_like(_cat([lam_u, lam_q]), dz))
+        return _cat([-dz[:n_ctrl], u_bar, _flat(theta_bar, dz.dtype)])
 
     def backsolve_intervals(zs, ts, theta, const, ctl, gz):
         # Output interval by output interval, each a differentiable `solve` of the
@@ -181,12 +189,12 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         def interval(carry, k):
             lam, theta_bar, h, left, status, t_fail = carry
             lam = lam + gz[k]
-            z2 = jnp.concatenate([zs[k, :n_u], lam[:n_u], theta_bar])
+            z2 = _cat([zs[k, :n_u], lam[:n_u], theta_bar])
             ts2 = jnp.stack([-ts[k], -ts[k - 1]])
             ctl2 = (adj_rtol, adj_atol, adj_rtol, adj_atol, h, left)
             zs2, st = adjoint_solve(z2, ts2, (theta, lam[n_u:]), const, ctl2)
             end = zs2[1]
-            lam = jnp.concatenate([end[n_u : 2 * n_u], lam[n_u:]])
+            lam = _cat([end[n_u : 2 * n_u], lam[n_u:]])
             first_failure = (status == _integrate.NOT_FAILED) & (st.status != _integrate.NOT_FAILED)
             t_fail = jnp.where(first_failure, -st.t, t_fail)
             status = jnp.where(status == _integrate.NOT_FAILED, st.status, status)
@@ -221,9 +229,9 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         def rhs(v, r):
             u, lam = v[:n_u], v[n_u:n_c]
             dz, vjp = jax.vjp(lambda u, th: G(u, -r, th, const), u, theta)
-            u_bar, theta_bar = vjp(lam)
+            u_bar, theta_bar = vjp(_sharding.split_like(lam, dz))  # (dz: as f splits it)
             zeros = jnp.zeros((N - n_u,), dtype)
-            return jnp.concatenate(
+            return _cat(
                 [-dz[:n_u], u_bar, zeros, _flat(theta_bar, dtype), jnp.zeros((1,), dtype)]
             )
 
@@ -234,10 +242,10 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         def jump(j, z):
             k = T - 1 - j
             worst = jnp.maximum(z[-1], drift(z[:n_u], k))
-            return jnp.concatenate([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:-1], worst[None]])
+            return _cat([zs[k, :n_u], z[n_u:n_c] + gz[k], z[n_c:-1], worst[None]])
 
         stepper = make_stepper(rhs, n_c, rtol=adj_rtol, atol=adj_atol)
-        z0 = jnp.concatenate(
+        z0 = _cat(
             [zs[T - 1, :n_u], gz[T - 1], _flat(theta, dtype) * 0, jnp.zeros((1,), dtype)]
         )
         end, st = _integrate.integrate_jumps(
@@ -290,11 +298,13 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
             status, t_fail = jnp.asarray(_integrate.NOT_FAILED, jnp.int32), ts[0]
         else:
             lam, theta_bar, status, t_fail = backsolve(zs, ts, theta, const, ctl, gz)
+            lam = _sharding.split_like(lam, gz[0])  # (gathered on an Explicit mesh)
         z0_bar, ts_bar, theta_bar = _finish(
             lambda u, t: G(u, t, theta, const), zs[:, :n_u], ts, gz, lam, theta_bar,
             status, t_fail, on_failure=on_failure, report=report,
         )
-        return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None, None
+        theta_bar = jax.tree.map(_sharding.split_like, _unflat(theta_bar, theta), theta)
+        return z0_bar, ts_bar, theta_bar, None, None, None
 
     solve.defvjp(solve_fwd, solve_bwd)
 

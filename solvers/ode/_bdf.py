@@ -38,9 +38,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import lu_factor, lu_solve
 
 from implicit import _sharding
+from implicit import _lu
 
 __all__ = ["bdf_stepper", "MAX_ORDER", "NEWTON_MAXITER"]
 
@@ -109,7 +109,7 @@ class BDFCache(NamedTuple):
     J: Any  # (n, n) Jacobian of the controlled components (kept across steps); with a
     #         structure: compressed, (colours, n)
     lu: Any  # (n, n) LU of I - c_lu J; with a structure: the block LU's (X, S⁻¹)
-    piv: Any  # (n,) its pivots
+    piv: Any  # (n,) its row permutation (floats)
     c_lu: Any  # the c the LU is for (0: none yet)
     fresh: Any  # 1.0 when J was computed during the current step (after a rejection too)
     factor: Any  # step-size factor chosen after an accepted step
@@ -151,18 +151,18 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         return structure.factor(structure.eye_minus(c, structure.scatter(J)))
 
     def factorise(c, J):
-        """The factors of ``I - cJ`` and the pivots (floats; dense only). Structured: the
+        """The factors of ``I - cJ`` and the row permutation (floats; dense only). Structured: the
         block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
         if structure is not None:
             X, sinv, _ = block_factors(c, J)
             return (X, sinv), jnp.zeros((n,), J.dtype)
-        lu, piv = lu_factor(jnp.eye(n, dtype=J.dtype) - c * J)
-        return lu, piv.astype(J.dtype)
+        lu, perm = _lu.factor(jnp.eye(n, dtype=J.dtype) - c * J)
+        return lu, perm.astype(J.dtype)
 
     def solve(lu, piv, b, up):
         if structure is not None:  # up: the blocks of I - cJ above the diagonal
             return structure.apply_inverse(*lu, up, b)
-        return lu_solve((lu, piv.astype(jnp.int32)), b)
+        return _lu.solve((lu, piv), b)
 
     def placeholder(J):
         if structure is not None:
@@ -175,7 +175,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         N = z0.shape[0]
         f0 = rhs(z0[:n], s0)
         J = jax.lax.stop_gradient(jac(z0[:n], s0))
-        D = jnp.zeros((R, N), dtype).at[0].set(z0).at[1].set(f0)  # spaced at h = 1
+        D = _sharding.rows_like(z0, R).at[0].set(z0).at[1].set(f0)  # spaced at h = 1
         zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
         return BDFCache(
             k0=f0, D=D, h=one, order=one, n_equal=zero, J=J,
@@ -337,7 +337,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         if structure is not None:
             x = structure.solve(block_factors(c, J), F)
         else:
-            x = jnp.linalg.solve(jnp.eye(n, dtype=dtype) - c * J, F)
+            x = _lu.solve(_lu.factor(jnp.eye(n, dtype=dtype) - c * J), F)
         d = d_star - (x - sg(x))
         y_new = y_pred + d
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h,

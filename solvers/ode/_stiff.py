@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from implicit import _sharding
+from implicit import _lu
 
 __all__ = ["implicit_stepper", "NEWTON_KAPPA", "NEWTON_MAX_STEPS"]
 
@@ -108,7 +109,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         else:
             J = jax.jacfwd(lambda v: rhs(v, s)[:n_ctrl])(u)
             M = jnp.eye(n_ctrl, dtype=dtype) - hg * J
-        ks = jnp.zeros((stages, z.shape[0]), dtype).at[0].set(k0)
+        ks = _sharding.rows_like(z, stages).at[0].set(k0)
 
         def stage(i, carry):
             ks, ok, fevals, jacobians = carry
@@ -182,10 +183,10 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
                     return structure.solve(fac, r)
             else:
                 J = jax.lax.stop_gradient(jax.jacfwd(lambda v: rhs(v, t))(U_star))
-                lu = jax.scipy.linalg.lu_factor(eye - hg * J)
+                lu = _lu.factor(eye - hg * J)
 
                 def inv(r):
-                    return jax.scipy.linalg.lu_solve(lu, r)
+                    return _lu.solve(lu, r)
             U = U_star
             # Each chord correction (the Jacobian exact at U*, held fixed) makes one more
             # order of derivatives exact: r(U) = U - base - hγ f(U), whose Jacobian at U*
