@@ -246,9 +246,12 @@ def _gauss_newton(evaluate, rtol):
         h = _gauss_newton_step(r, j, x)
         slope = _sharding.dot(g, h)
         descent = jnp.isfinite(slope) & (slope < 0)
+        def derivative(extra):  # d/dt of 0.5 |r(x + t h)|²: (Jᵀ r) · h
+            r_t, j_t = extra
+            return _sharding.dot(_sharding.dot(j_t.T, r_t), h)
+
         x_new, f_new, (r_new, j_new), _, ok = line_search(
-            evaluate, x, f, slope, h, 1.0, lambda extra: _sharding.dot(_sharding.dot(extra[1].T, extra[0]), h),
-            skip=~descent,
+            evaluate, x, f, slope, h, 1.0, derivative, skip=~descent,
         )
         ok = ok & descent
         x, f, r, j = (jnp.where(ok, new, old)

@@ -172,7 +172,6 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
 
     def init(s0, z0):
         dtype = z0.dtype
-        N = z0.shape[0]
         f0 = rhs(z0[:n], s0)
         J = jax.lax.stop_gradient(jac(z0[:n], s0))
         D = _sharding.rows_like(z0, R).at[0].set(z0).at[1].set(f0)  # spaced at h = 1
