@@ -120,14 +120,13 @@ def root(
         ``scipy.integrate.solve_ivp``'s ``jac_sparsity``: a boolean ``(n, n)`` NumPy array
         or SciPy sparse matrix (True where an entry may be nonzero; ``n`` the size of the
         raveled ``x``) or an int ``w`` (the band ``|i - j| <= w``). The Jacobian is then
-        computed by one ``jvp`` per colour of a greedy column colouring of the pattern,
-        stored block tridiagonal after a reverse Cuthill–McKee reordering and factored by
-        block LU (pivoting within blocks only: for block diagonally dominant or symmetric
-        positive definite Jacobians; a singular block gives a non-finite direction, the
-        ``singular`` status), for every Newton step and for the implicit gradient's
-        adjoint solve (``linear_solver="auto"``). Work and memory grow with ``n`` times
-        the reordered band's width squared (resp. width), not ``n²``. ``jacobian`` must
-        then be ``"auto"``.
+        computed by one ``jvp`` per colour of a greedy column colouring of the pattern, stored
+        block tridiagonal after a reverse Cuthill–McKee reordering and factored by block cyclic
+        reduction or block LU (pivoting within blocks only: for block diagonally dominant or
+        symmetric positive definite Jacobians; a singular block gives a non-finite direction,
+        the ``singular`` status), for every Newton step and for the implicit gradient's adjoint
+        solve (``linear_solver="auto"``). Work and memory grow with ``n`` times the reordered
+        band's width squared (resp. width), not ``n²``. ``jacobian`` must then be ``"auto"``.
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -203,7 +202,7 @@ def root(
 
 class _StructuredSolve:
     """The adjoint linear solve with a :class:`solvers._sparse.Structure`: the operator's
-    blocks from one product per colour (it is linear), block LU, solve. (The structure is
+    blocks from one product per colour (it is linear), factored, solved. (The structure is
     symmetrised, so it covers ``Jᵀ`` too.) Hashable: a static option."""
 
     def __init__(self, structure):
@@ -331,7 +330,7 @@ class _Linear(NamedTuple):
     """The Jacobian of ``fn`` as the methods use it: dense (LU) or matrix-free (GMRES)."""
 
     fn: Any
-    jacobian: str  # "dense", "matfree" or "sparse" (a Structure: block LU)
+    jacobian: str  # "dense", "matfree" or "sparse" (a Structure: block elimination)
     eta_min: Any  # tightest GMRES forcing term
     structure: Any = None  # the solvers._sparse.Structure of jacobian="sparse"
 

@@ -1,4 +1,5 @@
-"""solvers._sparse: colouring, block LU and its transpose (issue 15, jac_sparsity).
+"""solvers._sparse: colouring, block cyclic reduction and block LU, their transposes
+(issue 15, jac_sparsity).
 
 Expected values: jax.jacfwd (the dense Jacobian, an independent computation of every
 entry) and numpy.linalg.solve on the dense matrix; never the structured code itself.
@@ -93,10 +94,9 @@ def test_block_lu_solve_against_numpy(x64, n, density, c):
     b = rng.standard_normal(n)
     x = s.solve(factors, jnp.asarray(b))
     np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
-    np.testing.assert_allclose(s.matvec(factors[2], jnp.asarray(b)), A @ b, rtol=1e-12,
+    np.testing.assert_allclose(s.matvec(factors[1], jnp.asarray(b)), A @ b, rtol=1e-12,
                                atol=1e-12)
-    X, sinv, blocks = factors
-    np.testing.assert_allclose(s.apply_inverse(X, sinv, blocks[2], jnp.asarray(b)),
+    np.testing.assert_allclose(s.apply_inverse(factors[0], jnp.asarray(b)),
                                np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
 
 
@@ -109,12 +109,73 @@ def test_transpose_solve(x64):
     w = rng.standard_normal(n)
     g = jax.grad(lambda b: jnp.dot(jnp.asarray(w), s.solve(factors, b)))(b)
     np.testing.assert_allclose(g, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
-    # and the transpose's own code path, directly
-    xt = s._from_blocks(s._solve_blocks_t(factors, s._to_blocks(jnp.asarray(w))))
+    # and the transpose's own code path (as a linear solve's transpose), directly
+    xt = jax.linear_transpose(lambda v: s.solve(factors, v), b)(jnp.asarray(w))[0]
     np.testing.assert_allclose(xt, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
     # jvp as well (the linear solve's tangent)
     _, t = jax.jvp(lambda b: s.solve(factors, b), (b,), (jnp.asarray(w),))
     np.testing.assert_allclose(t, np.linalg.solve(A, w), rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("reduce_max,tail", [(0, 16), (1000, 0), (1000, 16), (1000, 10**6)])
+@pytest.mark.parametrize("n,w", [(1, 0), (7, 1), (61, 2), (200, 5), (130, 20)])
+def test_both_eliminations_against_numpy(x64, monkeypatch, reduce_max, tail, n, w):
+    """Block LU (scan) and cyclic reduction (down to 1 block, to 16 unknowns, or none:
+    all dense), for odd and even block counts: solve, transposed solve and jvp against
+    NumPy on a nonsymmetric band with an unpivoted-LU-hostile (zero) leading entry."""
+    monkeypatch.setattr(_sparse, "REDUCE_MAX_BLOCK", reduce_max)
+    monkeypatch.setattr(_sparse, "DENSE_TAIL", tail)
+    rng = np.random.default_rng(n + w)
+    offsets = list(range(-min(w, n - 1), min(w, n - 1) + 1))
+    W = sp.diags([rng.standard_normal(n - abs(k)) for k in offsets], offsets).toarray()
+    A = np.eye(n) - 0.3 * W
+    A[0, 0] = 0.0  # partial pivoting inside the first block is needed (when w > 0)
+    if n == 1:
+        A[0, 0] = 2.0
+    s = Structure(w, n)
+    Aj = jnp.asarray(A)
+    factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
+    b = rng.standard_normal(n)
+    np.testing.assert_allclose(s.solve(factors, jnp.asarray(b)), np.linalg.solve(A, b),
+                               rtol=1e-9, atol=1e-10)
+    g = jax.grad(lambda v: jnp.dot(jnp.asarray(b), s.solve(factors, v)))(jnp.zeros(n))
+    np.testing.assert_allclose(g, np.linalg.solve(A.T, b), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("reduce_max", [0, 1000])
+def test_singular_block_gives_nonfinite(x64, monkeypatch, reduce_max):
+    """A singular diagonal block (no pivoting across blocks) is never a silent wrong
+    answer: the solve is not finite (the callers' failure signal)."""
+    monkeypatch.setattr(_sparse, "REDUCE_MAX_BLOCK", reduce_max)
+    n = 40
+    A = np.eye(n)
+    A[4:8, 4:8] = 0.0  # the second diagonal block (B = 4, the given order) is zero...
+    A[4:8, 8:12] = A[8:12, 4:8] = np.eye(4)  # ...but A is nonsingular
+    assert abs(np.linalg.det(A)) > 0.5
+    s = Structure(4, n)
+    assert (s.block, s._identity) == (4, True)
+    Aj = jnp.asarray(A)
+    factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
+    x = s.solve(factors, jnp.ones(n))
+    assert not np.all(np.isfinite(np.asarray(x)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 90), st.integers(0, 6), st.integers(0, 2**31 - 1))
+def test_solve_property_diagonally_dominant(n, w, seed):
+    """For block diagonally dominant bands (the stability class), the residual of the
+    solve is at rounding level whatever the size, band and blocking."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        offsets = list(range(-min(w, n - 1), min(w, n - 1) + 1))
+        W = sp.diags([rng.uniform(-1, 1, n - abs(k)) for k in offsets], offsets).toarray()
+        A = W + np.diag(np.abs(W).sum(1) + 1.0)
+        s = Structure(w, n)
+        Aj = jnp.asarray(A)
+        factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
+        b = rng.standard_normal(n)
+        x = np.asarray(s.solve(factors, jnp.asarray(b)))
+        assert np.max(np.abs(A @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
 
 
 def test_large_band_solve_under_jit(x64):

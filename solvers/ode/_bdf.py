@@ -108,7 +108,7 @@ class BDFCache(NamedTuple):
     n_equal: Any  # steps taken at this size and order
     J: Any  # (n, n) Jacobian of the controlled components (kept across steps); with a
     #         structure: compressed, (colours, n)
-    lu: Any  # (n, n) LU of I - c_lu J; with a structure: the block LU's (X, S⁻¹)
+    lu: Any  # (n, n) LU of I - c_lu J; with a structure: its block elimination
     piv: Any  # (n,) its row permutation (floats)
     c_lu: Any  # the c the LU is for (0: none yet)
     fresh: Any  # 1.0 when J was computed during the current step (after a rejection too)
@@ -121,7 +121,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
 
     ``structure``: a :class:`solvers._sparse.Structure` of the Jacobian (``jac_sparsity``):
     the Jacobian is then kept in block-tridiagonal form (compressed jvps) and ``I - cJ``
-    factored by block LU (``J`` and ``lu`` in the cache are those blocks and factors);
+    factored by block elimination (``J`` and ``lu`` in the cache: the compressed
+    Jacobian and the factors);
     ``None``: dense (``jacfwd``, LU).
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
@@ -147,27 +148,26 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
 
     def block_factors(c, J):
-        """The block LU of ``I - cJ`` from the compressed ``J`` (with a structure)."""
+        """The factors of ``I - cJ`` from the compressed ``J`` (with a structure)."""
         return structure.factor(structure.eye_minus(c, structure.scatter(J)))
 
     def factorise(c, J):
         """The factors of ``I - cJ`` and the row permutation (floats; dense only). Structured: the
-        block LU's ``(X, S⁻¹)`` only (the blocks of ``I - cJ`` are ``J``'s, scaled)."""
+        cyclic reduction only (not the blocks of ``I - cJ``: Newton does not multiply by it)."""
         if structure is not None:
-            X, sinv, _ = block_factors(c, J)
-            return (X, sinv), jnp.zeros((n,), J.dtype)
+            return block_factors(c, J)[0], jnp.zeros((n,), J.dtype)
         lu, perm = _lu.factor(jnp.eye(n, dtype=J.dtype) - c * J)
         return lu, perm.astype(J.dtype)
 
-    def solve(lu, piv, b, up):
-        if structure is not None:  # up: the blocks of I - cJ above the diagonal
-            return structure.apply_inverse(*lu, up, b)
+    def solve(lu, piv, b):
+        if structure is not None:
+            return structure.apply_inverse(lu, b)
         return _lu.solve((lu, piv), b)
 
     def placeholder(J):
         if structure is not None:
             return jax.tree.map(jnp.zeros_like,
-                                jax.eval_shape(lambda J: block_factors(1.0, J)[:2], J))
+                                jax.eval_shape(lambda J: block_factors(1.0, J)[0], J))
         return jnp.zeros((n, n), J.dtype)
 
     def init(s0, z0):
@@ -236,10 +236,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, jnp.sqrt(rtol)))
         i32 = jnp.int32
 
-        def newton(lu, piv, J):
-            # (lu is for I - cJ, this step's c and J: structured, its upper blocks are -cJ's)
-            up = None if structure is None else -c * structure.scatter(J)[2]
-
+        def newton(lu, piv):
+            # (lu is for I - cJ, this step's c and J)
             def cond(st):
                 it, _, _, _, conv, stop = st
                 return ~conv & ~stop & (it < NEWTON_MAXITER)
@@ -247,7 +245,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = solve(lu, piv, c * f - psi_u - d, up)
+                dy = solve(lu, piv, c * f - psi_u - d)
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -283,7 +281,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
                 lambda: (lu, piv),
                 explicit=False,
             )
-            it, y, d, conv = newton(lu, piv, J)
+            it, y, d, conv = newton(lu, piv)
             return (i + 1, J, lu, piv, jnp.where(need, c, c_lu), fresh | refresh, conv, it, y,
                     d, fe + it, nj + refresh.astype(i32), nl + need.astype(i32))
 

@@ -247,9 +247,10 @@ def odeint(
         (the band ``|i - j| <= w``). The Jacobian is then computed by one ``jvp`` per
         colour of a greedy column colouring of the pattern, kept in block-tridiagonal
         form after a reverse Cuthill–McKee reordering, and ``I - cJ`` is factored by block
-        LU: work and memory grow linearly with ``n`` for a fixed band (``n x B`` numbers,
-        ``B`` the reordered band's half-width, at least 16). The block LU pivots within
-        blocks only (stable for block diagonally dominant ``I - cJ``, as for diffusion);
+        cyclic reduction (blocks of up to 16) or block LU (wider bands): work and memory
+        grow linearly with ``n`` for a fixed band (``n x B`` numbers, ``B`` the reordered
+        band's half-width, at least 4). Both pivot within blocks only (stable for block
+        diagonally dominant ``I - cJ``, as for diffusion);
         a singular block gives a failed step, retried smaller. A pattern that misses a
         nonzero of the Jacobian gives a wrong Jacobian (slower or failed Newton
         iterations), as in SciPy. ``None`` (default): dense Jacobians and LU.

@@ -34,11 +34,11 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
     ``derivative_order``: the order up to which ``diff_step``'s derivatives are exact (one
     chord correction of the stage values per order; the forward sensitivities ask for 2,
     so that ``jax.hessian`` is exact too).
-    ``structure``: a :class:`solvers._sparse.Structure` (``jac_sparsity``): the step's
-    Jacobian by compressed jvps, ``M = I - hγJ`` factored once per step by block LU, and
-    the stage equations solved by simplified Newton iterations with those factors (the
-    stopping test of :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)``
-    once a contraction rate ``ρ < 1/2`` is seen, within ``atol + rtol max|U|``).
+    ``structure``: a :class:`solvers._sparse.Structure` (``jac_sparsity``): the step's Jacobian by
+    compressed jvps, ``M = I - hγJ`` factored once per step (block elimination), and the stage
+    equations solved by simplified Newton iterations with those factors (the stopping test of
+    :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)`` once a contraction rate ``ρ <
+    1/2`` is seen, within ``atol + rtol max|U|``).
     ``None``: dense, the stages by :func:`solvers.root.newton`.
     """
     from solvers.ode._integrate import Stepper
@@ -63,7 +63,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
 
     def structured_newton(guess, base, hg, t, M):
         """Simplified Newton on ``U - base - hγ f(U, t) = 0`` with the factors ``M`` of
-        ``I - hγJ`` (block LU), stopping as :func:`solvers.root.newton` does."""
+        ``I - hγJ`` (block elimination), stopping as :func:`solvers.root.newton` does."""
         dtype = guess.dtype
         r_tol = NEWTON_KAPPA * rtol
         a_tol = NEWTON_KAPPA * atol
@@ -151,7 +151,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         )
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
         err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
-        jacobians = jacobians + (1 if structure is not None else 0)  # (the one block LU)
+        jacobians = jacobians + (1 if structure is not None else 0)  # (the one block elimination)
         return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, jacobians)
 
     def diff_step(s, z, cache, h, ks_star):
