@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._brusselator import brusselator, brusselator_np, brusselator_y0
 from benchmarks._common import OURS, Row, compile_time, print_table, run_times_interleaved
 
 jax.config.update("jax_enable_x64", True)
@@ -409,30 +410,6 @@ BR_ROUNDS = 5
 # diffrax's Kvaerno5 takes no sparsity: with its dense Jacobian and LU it did not finish
 # one value-and-grad at N = 1000 within an hour on CPU, so it is compared at this N.
 BR_N_DENSE_PEER = 250
-
-
-def brusselator(y, t, alpha):
-    u, v = y[0::2], y[1::2]
-    a = alpha * (u.shape[0] + 1) ** 2
-    one, three = jnp.ones(1, y.dtype), 3 * jnp.ones(1, y.dtype)
-    up, vp = jnp.concatenate([one, u, one]), jnp.concatenate([three, v, three])
-    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
-    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
-    return jnp.stack([du, dv], 1).reshape(-1)
-
-
-def brusselator_np(t, y, alpha):
-    u, v = y[0::2], y[1::2]
-    a = alpha * (u.size + 1) ** 2
-    up, vp = np.concatenate([[1.0], u, [1.0]]), np.concatenate([[3.0], v, [3.0]])
-    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
-    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
-    return np.stack([du, dv], 1).reshape(-1)
-
-
-def brusselator_y0(n):
-    x = np.arange(1, n + 1) / (n + 1)
-    return np.stack([1 + np.sin(2 * np.pi * x), 3 * np.ones(n)], 1).reshape(-1)
 
 
 def brusselator_band(n):

@@ -14,36 +14,12 @@ import scipy.sparse as sp
 from scipy.integrate import solve_ivp
 
 import solvers
+from benchmarks._brusselator import brusselator, brusselator_np
+from benchmarks._brusselator import brusselator_y0 as initial
 
 N = 12
 ALPHA = 0.02
 TS = np.linspace(0.0, 10.0, 5)
-
-
-def brusselator(y, t, alpha):
-    u, v = y[0::2], y[1::2]
-    n = u.shape[0]
-    a = alpha * (n + 1) ** 2
-    one, three = jnp.ones(1, y.dtype), 3 * jnp.ones(1, y.dtype)
-    up, vp = jnp.concatenate([one, u, one]), jnp.concatenate([three, v, three])
-    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
-    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
-    return jnp.stack([du, dv], 1).reshape(-1)
-
-
-def brusselator_np(t, y, alpha):
-    u, v = y[0::2], y[1::2]
-    n = u.size
-    a = alpha * (n + 1) ** 2
-    up, vp = np.concatenate([[1.0], u, [1.0]]), np.concatenate([[3.0], v, [3.0]])
-    du = 1 + u * u * v - 4 * u + a * (up[:-2] - 2 * u + up[2:])
-    dv = 3 * u - u * u * v + a * (vp[:-2] - 2 * v + vp[2:])
-    return np.stack([du, dv], 1).reshape(-1)
-
-
-def initial(n):
-    x = np.arange(1, n + 1) / (n + 1)
-    return np.stack([1 + np.sin(2 * np.pi * x), 3 * np.ones(n)], 1).reshape(-1)
 
 
 def pattern(n):
