@@ -20,12 +20,10 @@ Small blocks (``B <= REDUCE_MAX_BLOCK``: a narrow band) are solved by block cycl
 reduction: each level eliminates the odd-numbered block unknowns with the inverses of
 their diagonal blocks (LAPACK's LU with partial pivoting inside each block, batched over
 the level), which leaves a block-tridiagonal system in the even-numbered ones, half as
-large, until at most ``DENSE_TAIL`` unknowns are left, inverted whole (the levels of at
-most ``SCAN_BLOCKS`` blocks run in one ``lax.scan``, padded to one size, so that they
-are compiled once). ``O(n B²)`` work and ``O(n B)`` memory in ``log2(nb)`` levels, each a
-few batched operations: on CPU a sequential loop over many small blocks costs more than
-their arithmetic (Brusselator, n = 2000: a solve 4x, a factorisation 2x faster than a
-``lax.scan`` over the blocks).
+large, until at most ``DENSE_TAIL`` unknowns are left, inverted whole. ``O(n B²)`` work
+and ``O(n B)`` memory in ``log2(nb)`` levels, each a few batched operations: on CPU a
+sequential loop over many small blocks costs more than their arithmetic (Brusselator,
+n = 2000: a solve 4x, a factorisation 2x faster than a ``lax.scan`` over the blocks).
 Larger blocks are factored by block LU (the block Thomas algorithm: ``S_0 = D_0``,
 ``X_i = L_i S_{i-1}⁻¹``, ``S_i = D_i - X_i U_{i-1}``, each ``S_i`` inverted by LU with
 partial pivoting) in a ``lax.scan``, which does about half the arithmetic. Neither
