@@ -62,12 +62,6 @@ MIN_BLOCK = 4
 #: solve took 220 ms against 121 ms.
 REDUCE_MAX_BLOCK = 16
 
-#: Levels of cyclic reduction with at most this many blocks run in a ``lax.scan`` (at this
-#: size, padded), not unrolled: their work is small, and each unrolled level is compiled
-#: on its own (at N = 1000, B = 4, compiling the Brusselator's value-and-grad took
-#: 2.3 times longer with every level unrolled than with the sequential block LU).
-SCAN_BLOCKS = 64
-
 #: The reduction stops once the system left has at most this many unknowns (or one block),
 #: which is then inverted whole: fewer levels, each a few more operations to compile.
 DENSE_TAIL = 16
@@ -353,120 +347,52 @@ def _block_lu_solve(factors, b):
     return x
 
 
-def _pad_blocks(lo, d, up, m):
-    """``(lo, d, up)`` continued to ``m`` blocks by identity blocks without coupling."""
-    k = m - d.shape[0]
-    if k == 0:
-        return lo, d, up
-    zero = jnp.zeros((k,) + d.shape[1:], d.dtype)
-    eye = jnp.broadcast_to(jnp.eye(d.shape[-1], dtype=d.dtype), zero.shape)
-    return (jnp.concatenate([lo, zero]), jnp.concatenate([d, eye]),
-            jnp.concatenate([up, zero]))
-
-
-def _level(lo, d, up):
-    """One level of the reduction (an even number of blocks): the odd-numbered unknowns
-    eliminated; returns the even ones' system and what the solves need."""
-    B = d.shape[-1]
-    d_inv = jnp.linalg.inv(d[1::2])  # partial pivoting inside each block (LAPACK)
-    w = d_inv @ jnp.concatenate([lo[1::2], up[1::2]], -1)
-    left, right = lo[0::2] @ _shift(w), up[0::2] @ w
-    reduced = (-left[..., :B], d[0::2] - left[..., B:] - right[..., :B], -right[..., B:])
-    return reduced, (d_inv, w, jnp.concatenate([lo[0::2], up[0::2]], -1))
-
-
-def _levels_left(m, B):
-    """How many levels take ``m`` blocks of ``B`` to the dense tail (or one block)."""
-    k = 0
-    while m * B > DENSE_TAIL and m > 1:
-        m, k = -(-m // 2), k + 1
-    return k, m
-
-
 def _reduce(lo, d, up):
     """Block cyclic reduction of the block-tridiagonal ``(lo, d, up)`` (each ``(m, B,
     B)``; ``lo[0]`` and ``up[-1]`` zero). Per level, the odd-numbered unknowns are
     eliminated with their own diagonal blocks: with ``W_j = D_j⁻¹ [L_j | U_j]`` for odd
     ``j``, even unknown ``i`` (between odd ``i - 1`` and ``i + 1``) gets ``D'_i = D_i -
     L_i W_{i-1}[U] - U_i W_{i+1}[L]``, ``L'_i = -L_i W_{i-1}[L]``, ``U'_i = -U_i
-    W_{i+1}[U]``: a block-tridiagonal system half as large. Levels of more than
-    :data:`SCAN_BLOCKS` blocks are unrolled (each its own shapes); the small ones run in
-    a ``lax.scan`` at a fixed size, padded with identity blocks (one body to compile);
-    the last at most :data:`DENSE_TAIL` unknowns are inverted whole. Returns
-    ``(levels, scanned, tail)``: each unrolled level's ``(D_odd⁻¹, W_odd, [L_even |
-    U_even])``, the same stacked over the scanned levels (None: none) and the tail's
-    inverse."""
-    B = d.shape[-1]
-    levels = []
-    while d.shape[0] > SCAN_BLOCKS and _levels_left(d.shape[0], B)[0]:
-        (lo, d, up), data = _level(*_pad_blocks(lo, d, up, d.shape[0] + d.shape[0] % 2))
-        levels.append(data)
-    k, m = _levels_left(d.shape[0], B)
-    scanned = None
-    if k:
-        size = d.shape[0] + d.shape[0] % 2
-
-        def body(system, _):
-            reduced, data = _level(*system)
-            return _pad_blocks(*reduced, size), data
-
-        (lo, d, up), scanned = jax.lax.scan(body, _pad_blocks(lo, d, up, size), None,
-                                            length=k)
-        lo, d, up = lo[:m], d[:m], up[:m]
+    W_{i+1}[U]``: a block-tridiagonal system half as large. Returns ``(levels, last)``:
+    each level's ``(D_odd⁻¹, W_odd, [L_even | U_even])`` and the inverse of the last
+    ``1 x 1`` block system's matrix."""
+    levels, B = [], d.shape[-1]
+    while d.shape[0] * B > DENSE_TAIL and d.shape[0] > 1:
+        if d.shape[0] % 2:  # an identity block (and no coupling) makes the count even
+            zero = jnp.zeros_like(d[:1])
+            lo, up = jnp.concatenate([lo, zero]), jnp.concatenate([up, zero])
+            d = jnp.concatenate([d, jnp.eye(d.shape[-1], dtype=d.dtype)[None]])
+        d_inv = jnp.linalg.inv(d[1::2])  # partial pivoting inside each block (LAPACK)
+        w = d_inv @ jnp.concatenate([lo[1::2], up[1::2]], -1)
+        left, right = lo[0::2] @ _shift(w), up[0::2] @ w
+        levels.append((d_inv, w, jnp.concatenate([lo[0::2], up[0::2]], -1)))
+        d = d[0::2] - left[..., B:] - right[..., :B]
+        lo, up = -left[..., :B], -right[..., B:]
+    m = d.shape[0]  # the rest, dense (LU with partial pivoting across all of it)
     tail = sum(jnp.einsum("ij,iab->iajb", jnp.eye(m, k=k, dtype=d.dtype), blocks)
                for k, blocks in ((-1, lo), (0, d), (1, up)))
-    return tuple(levels), scanned, jnp.linalg.inv(tail.reshape(m * B, m * B))
-
-
-def _reduce_rhs(data, b):
-    """One level of the right-hand side's reduction (an even number of blocks):
-    ``v_j = D_j⁻¹ b_j`` (odd ``j``) and ``b'_i = b_i - L_i v_{i-1} - U_i v_{i+1}``."""
-    d_inv, _, coupling = data
-    v = _mv(d_inv, b[1::2])
-    return b[0::2] - _mv(coupling, jnp.concatenate([_shift(v), v], -1)), v
-
-
-def _recover(data, v, x):
-    """The level's unknowns from the even ones ``x``: the odd ones are ``x_j = v_j - W_j
-    [x_{j-1}; x_{j+1}]``, interleaved."""
-    right = jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
-    x_odd = v - _mv(data[1], jnp.concatenate([x, right], -1))
-    return jnp.stack([x, x_odd], 1).reshape(-1, x.shape[-1])
-
-
-def _pad_rows(b, m):
-    return jnp.pad(b, ((0, m - b.shape[0]), (0, 0)))
+    return tuple(levels), jnp.linalg.inv(tail.reshape(m * B, m * B))
 
 
 def _reduced_solve(reduction, b):
     """``A⁻¹ b`` for ``b`` in blocks ``(m, B)`` from :func:`_reduce`'s ``reduction``:
-    reduce the right-hand side level by level, solve the tail, then recover the odd
-    unknowns level by level on the way back."""
-    levels, scanned, tail = reduction
+    reduce the right-hand side level by level (``v_j = D_j⁻¹ b_j`` for odd ``j``, ``b'_i =
+    b_i - L_i v_{i-1} - U_i v_{i+1}``), solve the last block, then recover the odd
+    unknowns on the way back, ``x_j = v_j - W_j [x_{j-1}; x_{j+1}]``."""
+    levels, last = reduction
     vs, sizes = [], []
-    for data in levels:
+    for d_inv, _, coupling in levels:
         sizes.append(b.shape[0])
-        b, v = _reduce_rhs(data, _pad_rows(b, b.shape[0] + b.shape[0] % 2))
+        if b.shape[0] % 2:
+            b = jnp.concatenate([b, jnp.zeros_like(b[:1])])
+        v = _mv(d_inv, b[1::2])
         vs.append(v)
-    m0 = b.shape[0]
-    if scanned is not None:
-        size = 2 * scanned[0].shape[1]
-
-        def down(b, data):
-            b, v = _reduce_rhs(data, b)
-            return _pad_rows(b, size), v
-
-        b, v_scanned = jax.lax.scan(down, _pad_rows(b, size), scanned)
-    m = tail.shape[0] // b.shape[-1]
-    x = (tail @ b[:m].reshape(-1)).reshape(m, -1)
-    if scanned is not None:
-        def up(x, inp):
-            return _recover(inp[0], inp[1], x[: size // 2]), None
-
-        x, _ = jax.lax.scan(up, _pad_rows(x, size), (scanned, v_scanned), reverse=True)
-    x = x[:m0]
-    for data, v, m in zip(levels[::-1], vs[::-1], sizes[::-1]):
-        x = _recover(data, v, x)[:m]
+        b = b[0::2] - _mv(coupling, jnp.concatenate([_shift(v), v], -1))
+    x = (last @ b.reshape(-1)).reshape(b.shape)
+    for (_, w, _), v, m in zip(levels[::-1], vs[::-1], sizes[::-1]):
+        right = jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
+        x_odd = v - _mv(w, jnp.concatenate([x, right], -1))
+        x = jnp.stack([x, x_odd], 1).reshape(-1, x.shape[-1])[:m]
     return x
 
 
