@@ -1,5 +1,5 @@
 """Structured Jacobians (``jac_sparsity=``): compressed forward-mode Jacobians and
-block-tridiagonal solves (cyclic reduction), shared by ``odeint(method="bdf" | "kvaerno5")`` and
+block-tridiagonal solves, shared by ``odeint(method="bdf" | "kvaerno5")`` and
 ``root(method="newton")``.
 
 From the static sparsity pattern (a NumPy boolean ``(n, n)`` array, or an int ``w``: the
@@ -156,18 +156,16 @@ class Structure:
         pat = _pattern(jac_sparsity, n, name)
         pat = (pat + pat.T + sp.identity(n, dtype=bool, format="csr")).tocsr().astype(bool)
         pat.sort_indices()
-        def band(perm):
+
+        def banded(perm):
             pp = pat[perm][:, perm].tocoo()
             rows, cols = pp.row.astype(np.int64), pp.col.astype(np.int64)
-            return pp, rows, cols, int(np.max(np.abs(rows - cols))) if rows.size else 0
+            return int(np.max(np.abs(rows - cols))) if rows.size else 0, perm, pp, rows, cols
 
         # The given order where RCM does not narrow the band (a band stays as it is: no
-        # permutation of every right-hand side and solution).
-        perm = np.asarray(reverse_cuthill_mckee(pat, symmetric_mode=True), np.int64)
-        pp, rows, cols, bw = band(perm)
-        if band(np.arange(n))[3] <= bw:
-            perm = np.arange(n)
-            pp, rows, cols, bw = band(perm)
+        # permutation of every right-hand side and solution); ties keep the given order.
+        rcm = np.asarray(reverse_cuthill_mckee(pat, symmetric_mode=True), np.int64)
+        bw, perm, pp, rows, cols = min(banded(np.arange(n)), banded(rcm), key=lambda c: c[0])
         self._identity = bool(np.all(perm == np.arange(n)))
         B = max(bw, min(MIN_BLOCK, n), 1)
         nb = -(-n // B)
@@ -252,9 +250,14 @@ class Structure:
         dtype = blocks.dtype
         d = jnp.where(jnp.asarray(self._pad), jnp.ones((), dtype), blocks[1])
         blocks = blocks.at[1].set(d)
+        return self._elimination()[0](blocks[0], d, blocks[2]), blocks
+
+    def _elimination(self):
+        """``(factor, solve)`` on blocks: cyclic reduction for blocks of up to
+        :data:`REDUCE_MAX_BLOCK`, block LU for larger ones."""
         if self.block > REDUCE_MAX_BLOCK:
-            return _block_lu(blocks[0], d, blocks[2]), blocks
-        return _reduce(blocks[0], d, blocks[2]), blocks
+            return _block_lu, _block_lu_solve
+        return _reduce, _reduced_solve
 
     def _to_blocks(self, b):
         nb, B = self.num_blocks, self.block
@@ -268,17 +271,14 @@ class Structure:
     def matvec(self, blocks, x):
         """``A x`` for ``A`` in block form (original order)."""
         xb = self._to_blocks(x)
-        zero = jnp.zeros_like(xb[:1])
-        below = jnp.concatenate([zero, xb[:-1]])
-        above = jnp.concatenate([xb[1:], zero])
-        y = (jnp.einsum("kij,kj->ki", blocks[1], xb) + jnp.einsum("kij,kj->ki", blocks[0], below)
-             + jnp.einsum("kij,kj->ki", blocks[2], above))
+        y = (_mv(blocks[1], xb) + _mv(blocks[0], _shift(xb))
+             + _mv(blocks[2], _shift(xb, up=True)))
         return self._from_blocks(y)
 
     def apply_inverse(self, elimination, b):
         """``A⁻¹ b`` (original order) from ``elimination``, the first of :meth:`factor`'s
         factors (no ``custom_linear_solve``: for loops that are not differentiated)."""
-        solve = _block_lu_solve if self.block > REDUCE_MAX_BLOCK else _reduced_solve
+        solve = self._elimination()[1]
         return self._from_blocks(solve(elimination, self._to_blocks(b)))
 
     def solve(self, factors, b):
@@ -305,9 +305,10 @@ def _mv(a, x):
     return jnp.einsum("...ij,...j->...i", a, x)
 
 
-def _shift(x):
-    """``x[k - 1]`` at ``k`` (zero at ``k = 0``)."""
-    return jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]])
+def _shift(x, up=False):
+    """``x[k - 1]`` at ``k`` (zero at ``k = 0``); ``up``: ``x[k + 1]`` (zero at the end)."""
+    zero = jnp.zeros_like(x[:1])
+    return jnp.concatenate([x[1:], zero]) if up else jnp.concatenate([zero, x[:-1]])
 
 
 def _block_lu(lo, d, up):
@@ -353,9 +354,10 @@ def _reduce(lo, d, up):
     eliminated with their own diagonal blocks: with ``W_j = D_j⁻¹ [L_j | U_j]`` for odd
     ``j``, even unknown ``i`` (between odd ``i - 1`` and ``i + 1``) gets ``D'_i = D_i -
     L_i W_{i-1}[U] - U_i W_{i+1}[L]``, ``L'_i = -L_i W_{i-1}[L]``, ``U'_i = -U_i
-    W_{i+1}[U]``: a block-tridiagonal system half as large. Returns ``(levels, last)``:
-    each level's ``(D_odd⁻¹, W_odd, [L_even | U_even])`` and the inverse of the last
-    ``1 x 1`` block system's matrix."""
+    W_{i+1}[U]``: a block-tridiagonal system half as large, until at most
+    :data:`DENSE_TAIL` unknowns (or one block) are left. Returns ``(levels, tail)``: each
+    level's ``(D_odd⁻¹, W_odd, [L_even | U_even])`` and the inverse of the system left,
+    assembled dense."""
     levels, B = [], d.shape[-1]
     while d.shape[0] * B > DENSE_TAIL and d.shape[0] > 1:
         if d.shape[0] % 2:  # an identity block (and no coupling) makes the count even
@@ -377,9 +379,9 @@ def _reduce(lo, d, up):
 def _reduced_solve(reduction, b):
     """``A⁻¹ b`` for ``b`` in blocks ``(m, B)`` from :func:`_reduce`'s ``reduction``:
     reduce the right-hand side level by level (``v_j = D_j⁻¹ b_j`` for odd ``j``, ``b'_i =
-    b_i - L_i v_{i-1} - U_i v_{i+1}``), solve the last block, then recover the odd
+    b_i - L_i v_{i-1} - U_i v_{i+1}``), solve the dense tail, then recover the odd
     unknowns on the way back, ``x_j = v_j - W_j [x_{j-1}; x_{j+1}]``."""
-    levels, last = reduction
+    levels, tail = reduction
     vs, sizes = [], []
     for d_inv, _, coupling in levels:
         sizes.append(b.shape[0])
@@ -388,10 +390,9 @@ def _reduced_solve(reduction, b):
         v = _mv(d_inv, b[1::2])
         vs.append(v)
         b = b[0::2] - _mv(coupling, jnp.concatenate([_shift(v), v], -1))
-    x = (last @ b.reshape(-1)).reshape(b.shape)
+    x = (tail @ b.reshape(-1)).reshape(b.shape)
     for (_, w, _), v, m in zip(levels[::-1], vs[::-1], sizes[::-1]):
-        right = jnp.concatenate([x[1:], jnp.zeros_like(x[:1])])
-        x_odd = v - _mv(w, jnp.concatenate([x, right], -1))
+        x_odd = v - _mv(w, jnp.concatenate([x, _shift(x, up=True)], -1))
         x = jnp.stack([x, x_odd], 1).reshape(-1, x.shape[-1])[:m]
     return x
 

@@ -153,7 +153,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
 
     def factorise(c, J):
         """The factors of ``I - cJ`` and the row permutation (floats; dense only). Structured: the
-        cyclic reduction only (not the blocks of ``I - cJ``: Newton does not multiply by it)."""
+        elimination only (not the blocks of ``I - cJ``: Newton does not multiply by it)."""
         if structure is not None:
             return block_factors(c, J)[0], jnp.zeros((n,), J.dtype)
         lu, perm = _lu.factor(jnp.eye(n, dtype=J.dtype) - c * J)
