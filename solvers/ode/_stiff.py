@@ -1,12 +1,13 @@
-"""One step of an L-stable ESDIRK pair (Kværnø 5(4)); stage equations by ``solvers.newton``.
+"""One step of an L-stable ESDIRK pair (Kværnø 5(4)); stage equations by simplified Newton.
 
 Stage ``i`` solves ``U = base_i + hγ f(U, s + c_i h)`` with
 ``base_i = u + h Σ_{j<i} a_ij k_j``, starting from the stage-derivative predictor
 ``base_i + hγ Σ_j α_ij k_j``; then ``k_i = (U - base_i) / (hγ)``. The method is stiffly
 accurate (the new state is the last stage value, ``u + h Σ b_j k_j``) and the embedded
 solution is the sixth stage value. The stages run in a ``lax.fori_loop`` (one traced copy
-of the right-hand side and of the Newton solve). A stage solve that fails rejects the step
-(the loop halves ``h``); it never raises.
+of the right-hand side and of the Newton solve); one Jacobian and one factorisation of
+``M = I - hγJ`` per step serve all of them. A stage solve that fails rejects the step (the
+loop halves ``h``); it never raises.
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
     ``derivative_order``: the order up to which ``diff_step``'s derivatives are exact (one
     chord correction of the stage values per order; the forward sensitivities ask for 2,
     so that ``jax.hessian`` is exact too).
-    ``structure``: a :class:`solvers._sparse.Structure` (``jac_sparsity``): the step's Jacobian by
-    compressed jvps, ``M = I - hγJ`` factored once per step (block elimination), and the stage
-    equations solved by simplified Newton iterations with those factors (the stopping test of
-    :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)`` once a contraction rate ``ρ <
-    1/2`` is seen, within ``atol + rtol max|U|``).
-    ``None``: dense, the stages by :func:`solvers.root.newton`.
+    The stage equations are solved by simplified Newton iterations with the factors of
+    ``M = I - hγJ`` (one Jacobian and one factorisation per step; the stopping test of
+    :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)`` once a contraction rate
+    ``ρ < 1/2`` is seen, within ``atol + rtol max|U|``).
+    ``structure``: a :class:`solvers._sparse.Structure` (``jac_sparsity``): the Jacobian by
+    compressed jvps and ``M`` factored by block elimination. ``None``: dense (``jacfwd``;
+    ``M``'s inverse, or its LU past 64 unknowns: :func:`implicit._lu.iteration_factor`).
     """
     from solvers.ode._integrate import Stepper
-    from solvers.root import newton
 
     stages = len(tab.b)
     gamma = float(tab.gamma)
@@ -50,20 +51,13 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
     # would carry the dtype of whatever x64 setting was on when it was first built.
     explicit_part = np.tril(np.asarray(tab.a, np.float64), -1)  # the strictly lower triangle
 
-    def stage_residual(U, base, hg, t, M):
-        # The value is the stage residual; the derivative is the frozen iteration matrix
-        # M = I - hγJ, so Newton's method takes simplified-Newton steps -M⁻¹ r(U) and J
-        # (one Jacobian per step) is shared by all stages.
-        r = U - base - hg * rhs(U, t)[:n_ctrl]
-        return M @ U + jax.lax.stop_gradient(r - M @ U)
-
     class _Info(NamedTuple):
         num_steps: Any
         converged: Any
 
-    def structured_newton(guess, base, hg, t, M):
-        """Simplified Newton on ``U - base - hγ f(U, t) = 0`` with the factors ``M`` of
-        ``I - hγJ`` (block elimination), stopping as :func:`solvers.root.newton` does."""
+    def simplified_newton(guess, base, hg, t, solve_M):
+        """Simplified Newton on ``U - base - hγ f(U, t) = 0``, ``solve_M(r)`` solving with
+        the step's ``M = I - hγJ``, stopping as :func:`solvers.root.newton` does."""
         dtype = guess.dtype
         r_tol = NEWTON_KAPPA * rtol
         a_tol = NEWTON_KAPPA * atol
@@ -75,7 +69,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         def body(st):
             it, U, prev, _, _ = st
             r = U - base - hg * rhs(U, t)[:n_ctrl]
-            d = -structure.solve(M, r)
+            d = -solve_M(r)
             U_new = U + d
             err = jnp.max(jnp.abs(d))
             rate = err / prev
@@ -105,54 +99,39 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         # tolerance, which then swamped the error estimate and stalled the step size.)
         if structure is not None:
             J = structure.jacobian(lambda v: rhs(v, s)[:n_ctrl], u)
-            M = structure.factor(structure.eye_minus(hg, J))
+            elimination = structure.factor(structure.eye_minus(hg, J))[0]
+
+            def solve_M(r):
+                return structure.apply_inverse(elimination, r)
         else:
             J = jax.jacfwd(lambda v: rhs(v, s)[:n_ctrl])(u)
-            M = jnp.eye(n_ctrl, dtype=dtype) - hg * J
+            factors = _lu.iteration_factor(jnp.eye(n_ctrl, dtype=dtype) - hg * J)
+
+            def solve_M(r):
+                return _lu.iteration_solve(factors, r)
         ks = _sharding.rows_like(z, stages).at[0].set(k0)
 
         def stage(i, carry):
-            ks, ok, fevals, jacobians = carry
+            ks, ok, fevals = carry
             k_u = ks[:, :n_ctrl]
             base = u + h * (a[i] @ k_u)
             guess = base + hg * (pred[i] @ k_u)
             t = s + c[i] * h
-            if structure is not None:
-                U, info = structured_newton(guess, base, hg, t, M)
-            else:
-                U, info = newton(
-                    stage_residual,
-                    guess,
-                    base,
-                    hg,
-                    t,
-                    M,
-                    jacobian="dense",
-                    line_search=False,
-                    rtol=NEWTON_KAPPA * rtol,
-                    atol=NEWTON_KAPPA * atol,
-                    max_steps=NEWTON_MAX_STEPS,
-                    on_failure="ignore",
-                    full_output=True,
-                )
+            U, info = simplified_newton(guess, base, hg, t, solve_M)
             k = (U - base) / hg
             fevals = fevals + info.num_steps + 1
             if z.shape[0] > n_ctrl:  # quadratures: evaluate them at the stage value
                 k = jnp.concatenate([k, rhs(U, t)[n_ctrl:]])
                 fevals = fevals + 1
             ok = ok & info.converged & jnp.all(jnp.isfinite(k))
-            # (dense: newton factors the iteration matrix at each of its steps)
-            lus = 0 if structure is not None else info.num_steps
-            return ks.at[i].set(k), ok, fevals, jacobians + lus
+            return ks.at[i].set(k), ok, fevals
 
-        zero = jnp.zeros((), jnp.int32)
-        ks, ok, fevals, jacobians = _sharding.fori_loop(
-            1, stages, stage, (ks, jnp.bool_(True), zero, zero)
+        ks, ok, fevals = _sharding.fori_loop(
+            1, stages, stage, (ks, jnp.bool_(True), jnp.zeros((), jnp.int32))
         )
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
         err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
-        jacobians = jacobians + (1 if structure is not None else 0)  # (the one block elimination)
-        return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, jacobians)
+        return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, 1)
 
     def diff_step(s, z, cache, h, ks_star):
         # The derivative of the step the forward took: stage i's value U* (from the stage
