@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from implicit import _sharding
 
 from solvers import _status
-from solvers.ode import _control, _integrate
+from solvers.ode import _control, _integrate, _small
 
 __all__ = ["make_solve", "DRIFT_LIMIT"]
 
@@ -550,10 +550,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         st = stepper_of(theta)
         if explicit:
             z1, err, ks, cache1, _, _, _ = st.step(s, z, cache, h)
-            out = z1, cache1, h * (dense @ ks), err
+            out = z1, cache1, h * _small.matmul(dense, ks), err
         else:
             z1, cache1, ks = _diff_step(st)(s, z, cache, h, ks_star)
-            out = z1, cache1, h * (dense @ ks), jnp.zeros_like(z1)
+            out = z1, cache1, h * _small.matmul(dense, ks), jnp.zeros_like(z1)
         # shard_map: every output varies as the cotangents do (a cache entry computed
         # from constants alone, as BDF's are, is otherwise invariant, and its varying
         # cotangent is refused; it reaches no input: the cast's transpose is dropped).
@@ -580,8 +580,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         exact = (ts == s1).astype(dtype)
         inside = ((ts > s) & (ts < s1)).astype(dtype)
         frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
-        lam_z1 = lam_z + exact @ gz
-        weights = (inside[:, None] * frac[:, None] ** powers[None, :]).T @ gz  # (degree, n)
+        lam_z1 = lam_z + _small.matmul(exact, gz)
+        weights = _small.matmul((inside[:, None] * frac[:, None] ** powers[None, :]).T, gz)
         _, vjp = jax.vjp(lambda z, c, th: step_fn(z, c, th, s, h, ks), z, cache, theta)
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         if explicit:
@@ -614,7 +614,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             )
         else:
             dz, dcache, dtheta = vjp((lam_z1, lam_cache, weights, zero_z))
-        lam_z = dz + inside @ gz
+        lam_z = dz + _small.matmul(inside, gz)
         return lam_z, dcache, theta_bar + _flat(dtheta, dtype)
 
     def segment(carry):

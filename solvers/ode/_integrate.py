@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from implicit import _sharding
 
 from solvers import _status
-from solvers.ode import _control
+from solvers.ode import _control, _small
 
 __all__ = [
     "Stats",
@@ -87,9 +87,11 @@ class Stepper(NamedTuple):
     lands: bool = False
     # The largest step size (``odeint``'s ``max_step``, jax odeint's ``hmax``).
     max_step: float = float("inf")
-    # ``control(ratio, accept, cache) -> factor``: the next step size over this one, from
-    # the error ratio and the cache after the step (a multistep method picks its order and
-    # step size together: bdf). None: the PI controller (beta1, beta2).
+    # ``control(ratio, accept, ok, cache) -> factor``: the next step size over this one,
+    # from the error ratio, whether the stage solves succeeded and the cache after the step
+    # (a multistep method picks its order and step size together, and retries a failed
+    # solve at the same size with a new Jacobian: bdf). None: the PI controller (beta1,
+    # beta2), and half the step after a failed stage solve.
     control: Any = None
     # ``restep(s, z, ks, h) -> (z1, k1, ok, counts)``: a step of size ``h`` (no error
     # control) from the start ``(s, z)`` of an accepted step whose stage derivatives were
@@ -255,7 +257,7 @@ def _crossing_thetas(event, last_step, dense, cross):
     s, h, z0, ks = last_step
     dtype = z0.dtype
     E = cross.shape[0]
-    coef = h * (dense @ ks)
+    coef = h * _small.matmul(dense, ks)
     idx = jnp.arange(E)
 
     def state(theta):
@@ -424,11 +426,12 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
         factor = _control.pi_factor(
             ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
         )
+        factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
     else:
         factor = stepper.control(
-            ratio, accept, jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej)
+            ratio, accept, ok,
+            jax.tree.map(lambda a, r: jnp.where(accept, a, r), cache_acc, cache_rej),
         )
-    factor = jnp.where(ok, factor, 0.5)  # a failed stage solve halves the step
     h_next = h * factor
     # A step shortened to end on a time says little about the next one.
     h_next = jnp.where(last & accept, jnp.maximum(h_next, h_proposed), h_next)
@@ -647,7 +650,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
             if record:
                 slot = (ctrl.num_accepted - 1) % B
-                new = Record(s, h, z_old, h * (dense @ ks), None)
+                new = Record(s, h, z_old, h * _small.matmul(dense, ks), None)
                 rec = jax.tree.map(
                     lambda buf, val: buf.at[slot].set(jnp.where(accept, val, buf[slot])),
                     rec,
@@ -676,7 +679,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             )
             return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev), None
         y = last_step.z + _horner(
-            last_step.h * (dense @ last_step.ks), (target - last_step.s) / last_step.h
+            last_step.h * _small.matmul(dense, last_step.ks), (target - last_step.s) / last_step.h
         )
         y = jnp.where(target == ctrl.s, z, y)
         return carry, jnp.where(reached, y, jnp.nan)
