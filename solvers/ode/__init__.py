@@ -24,30 +24,35 @@ Methods
 Gradients
   Reverse mode through a ``jax.custom_vjp`` (the stepping loop is never differentiated),
   with respect to ``y0``, ``ts``, every floating array in ``args`` and every traced value
-  ``f`` closes over. Two adjoints, both solving the continuous adjoint equations
-  ``a' = -(∂f/∂y)ᵀ a``, ``θ̄' = (∂f/∂θ)ᵀ a`` backwards with the forward method and the
-  tolerances ``adjoint_rtol``/``adjoint_atol`` (default: the forward ones), with the
-  parameter cotangents left out of the step control (a seminorm):
+  ``f`` closes over:
 
-  - ``adjoint="backsolve"`` (default for the explicit methods): ``y`` is integrated
-    backwards together with ``a`` and restarted from the stored output at every output
-    time. The backward pass is itself differentiable, so ``grad(grad(...))`` works.
-  - ``adjoint="interpolate"`` (default for ``kvaerno5``): ``y`` is not integrated
-    backwards (for a stiff problem that is unstable); each output interval's forward
-    solution is recomputed from the stored output, keeping the continuous extension of
-    ``adjoint_window`` steps at a time, and interpolated. First derivatives only.
+  - ``adjoint="discrete"`` (default): the exact derivative of the computed outputs. The
+    forward pass keeps a checkpoint every ``adjoint_window`` accepted steps; the backward
+    pass replays each segment's steps and runs the cotangent back through them (one
+    ``jax.vjp`` per step, step sizes held fixed; an implicit method's stage equations by
+    the implicit function theorem). Nothing is integrated backwards: stable for any
+    stiffness. First derivatives only.
+  - ``adjoint="backsolve"``: the continuous adjoint ``a' = -(∂f/∂y)ᵀ a``,
+    ``θ̄' = (∂f/∂θ)ᵀ a`` solved backwards with the forward method and the tolerances
+    ``adjoint_rtol``/``adjoint_atol`` (default: the forward ones; the parameter
+    cotangents left out of the step control, a seminorm), ``y`` integrated backwards with
+    ``a`` and restarted from the stored output at every output time. Itself
+    differentiable (``grad(grad(...))``); fails (status ``drift``) where integrating the
+    state backwards is unstable.
+  - ``adjoint="interpolate"``: the same continuous adjoint, with ``y`` not integrated
+    backwards: each output interval's forward solution is recomputed from the stored
+    output, ``adjoint_window`` steps at a time, and interpolated. First derivatives only.
+  - ``adjoint="forward"``: forward sensitivities (a ``jax.custom_jvp``), so ``jax.jvp``,
+    ``jax.jacfwd`` and ``jax.hessian`` work too, at any order; for few parameters.
 
-  ``adjoint="forward"``: forward sensitivities (a ``jax.custom_jvp``), so ``jax.jvp``,
-  ``jax.jacfwd`` and ``jax.hessian`` work too, at any order; for few parameters.
-
-  Memory holds the outputs (and, for the interpolating adjoint, ``adjoint_window``
-  steps), never the steps: it does not grow with the number of steps or with
-  ``max_steps``.
+  Memory holds the outputs and a fixed number of checkpoints or steps, never all the
+  steps: it does not grow with the number of steps or with ``max_steps``.
 
 Accuracy of the gradient
-  The continuous adjoint gives the derivative of the exact solution, approximated to the
-  tolerances, not the exact derivative of the computed numbers (a discrete adjoint). Its
-  error has two parts. The backward integration's own error follows
+  The discrete adjoint (and ``"forward"``) differentiate the computed numbers exactly:
+  their error is how far the computed solution's derivative is from the exact one, set by
+  ``rtol``/``atol`` like the solution's own. The continuous adjoints give the derivative
+  of the exact solution, approximated to the tolerances; their error has two parts. The backward integration's own error follows
   ``adjoint_rtol``/``adjoint_atol``: on Lotka–Volterra (with an accurate forward pass) it
   is 4e-4, 4e-7 and 5e-9 (relative, max-norm) at adjoint tolerances 1e-4, 1e-6 and 1e-8.
   The forward solution's error (``rtol``/``atol``) reaches the gradient through the
