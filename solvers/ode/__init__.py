@@ -52,9 +52,10 @@ Accuracy of the gradient
   The discrete adjoint (and ``"forward"``) differentiate the computed numbers exactly:
   their error is how far the computed solution's derivative is from the exact one, set by
   ``rtol``/``atol`` like the solution's own. The continuous adjoints give the derivative
-  of the exact solution, approximated to the tolerances; their error has two parts. The backward integration's own error follows
-  ``adjoint_rtol``/``adjoint_atol``: on Lotka–Volterra (with an accurate forward pass) it
-  is 4e-4, 4e-7 and 5e-9 (relative, max-norm) at adjoint tolerances 1e-4, 1e-6 and 1e-8.
+  of the exact solution, approximated to the tolerances; their error has two parts. The
+  backward integration's own error follows ``adjoint_rtol``/``adjoint_atol``: on
+  Lotka–Volterra (with an accurate forward pass) it is 4e-4, 4e-7 and 5e-9 (relative,
+  max-norm) at adjoint tolerances 1e-4, 1e-6 and 1e-8.
   The forward solution's error (``rtol``/``atol``) reaches the gradient through the
   outputs the loss is evaluated at, and usually dominates: at rtol = atol = 1e-6 the
   gradient is off by 4e-5 (dopri5) or 1e-5 (tsit5) whatever the adjoint tolerances,

@@ -134,7 +134,7 @@ class BDFCache(NamedTuple):
         values = [jnp.asarray(scalars[name], dtype) for name in _SCALARS]
         return cls(k0, D, J, lu, jnp.stack(_sharding.stackable(values)))
 
-    def but(self, **changes):
+    def updated(self, **changes):
         """This cache with some arrays or scalars replaced."""
         arrays = {k: v for k, v in changes.items() if k not in _SCALARS}
         scalars = self.scalars
@@ -144,6 +144,7 @@ class BDFCache(NamedTuple):
         return self._replace(scalars=scalars, **arrays)
 
 
+# cache.h, cache.order, ...: read-only views of the scalars vector.
 for _i, _name in enumerate(_SCALARS):
     setattr(BDFCache, _name, property(lambda self, i=_i: self.scalars[i]))
 
@@ -324,8 +325,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         # A rejected step leaves D as it was (spaced at cache.h; the retry rescales it from
         # there): the discrete adjoint takes the input cache of an accepted step to be the
         # output of the previous accepted one, whatever was rejected in between.
-        rej = cache.but(J=J, lu=lu, c_lu=c_lu, safety=safety, fresh=fresh_f,
-                        factor=jnp.ones((), dtype), refresh=(~conv & ~fresh).astype(dtype))
+        rej = cache.updated(J=J, lu=lu, c_lu=c_lu, safety=safety, fresh=fresh_f,
+                            factor=jnp.ones((), dtype), refresh=(~conv & ~fresh).astype(dtype))
         ok = conv & jnp.all(jnp.isfinite(y_new))
         return y_new, err, ks, acc, rej, ok, (fevals, njac, nlu)
 
