@@ -1,0 +1,84 @@
+"""The small dense kernels of the stiff methods: ``implicit._lu``'s iteration-matrix
+factors (an explicit inverse up to ``INVERSE_MAX`` unknowns, LU past it) and
+``solvers.ode._small.matmul`` (a fused product below ``FUSED_MAX``, a dot past it).
+
+Expected values come from NumPy (float64 solves and products), never from the code under
+test.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from implicit import _lu
+from solvers.ode import _small
+
+
+def _matrix(n, seed, dominance=3.0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, n)) / np.sqrt(n) + dominance * np.eye(n)
+
+
+@pytest.mark.parametrize("n", [1, 3, _lu.INVERSE_MAX, _lu.INVERSE_MAX + 6])
+def test_iteration_factor_solves_like_numpy(x64, n):
+    a = _matrix(n, n)
+    b = np.random.default_rng(n + 1).standard_normal(n)
+    factors = _lu.iteration_factor(jnp.asarray(a))
+    # An inverse (one factor) up to INVERSE_MAX, the LU and its permutation past it;
+    # every leaf floating (bdf's cache is differentiated through).
+    assert len(factors) == (1 if n <= _lu.INVERSE_MAX else 2)
+    assert all(jnp.issubdtype(f.dtype, jnp.floating) for f in factors)
+    x = _lu.iteration_solve(factors, jnp.asarray(b))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-12, atol=1e-12)
+
+
+def test_iteration_factor_needs_a_pivot(x64):
+    # A zero leading entry: the inverse comes from the pivoted LU, not a plain elimination.
+    a = np.array([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 1.0]])
+    b = np.array([1.0, 2.0, 3.0])
+    x = _lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)), jnp.asarray(b))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-13)
+
+
+def test_iteration_solve_float32_keeps_full_precision():
+    # float32: the product is not left to a reduced-precision matmul (TF32 on GPUs).
+    a = _matrix(8, 0).astype(np.float32)
+    b = np.arange(1.0, 9.0, dtype=np.float32)
+    x = _lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)), jnp.asarray(b))
+    assert x.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.astype(np.float64), b),
+                               rtol=2e-5)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@given(n=st.integers(1, 12), seed=st.integers(0, 2**31 - 1))
+def test_iteration_solve_residual_property(n, seed):
+    # Diagonally dominant matrices: the residual of the solve is at rounding level.
+    with jax.enable_x64(True):
+        a = _matrix(n, seed)
+        b = np.random.default_rng(seed + 1).standard_normal(n)
+        x = np.asarray(_lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)),
+                                           jnp.asarray(b)))
+    assert np.max(np.abs(a @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("shape", [((6, 6), (6, 3)), ((5, 5), (5, 64)), ((6, 6), (6, 65)),
+                                   ((8, 8), (8, 2000)), ((6,), (6, 3)), ((3, 4), (4,)),
+                                   ((12,), (12, 200))])
+def test_small_matmul_matches_numpy(x64, shape):
+    (sa, sb) = shape
+    rng = np.random.default_rng(len(sa) * 10 + sb[-1])
+    A, B = rng.standard_normal(sa), rng.standard_normal(sb)
+    out = _small.matmul(jnp.asarray(A), jnp.asarray(B))
+    assert out.shape == (A @ B).shape
+    np.testing.assert_allclose(np.asarray(out), A @ B, rtol=1e-13, atol=1e-13)
+
+
+def test_small_matmul_is_differentiable(x64):
+    A = np.random.default_rng(0).standard_normal((5, 6))
+    B = np.random.default_rng(1).standard_normal((6, 3))
+    g = jax.grad(lambda B: jnp.sum(_small.matmul(jnp.asarray(A), B) ** 2))(jnp.asarray(B))
+    np.testing.assert_allclose(np.asarray(g), 2 * A.T @ (A @ B), rtol=1e-13)
