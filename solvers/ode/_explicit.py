@@ -7,6 +7,8 @@ import jax.numpy as jnp
 
 from implicit import _sharding
 
+from solvers.ode import _small
+
 __all__ = ["erk_step", "explicit_stepper"]
 
 
@@ -27,12 +29,12 @@ def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
     ks = _sharding.rows_like(z, stages).at[0].set(k0)
 
     def stage(i, ks):
-        ui = u + h * (a[i] @ ks[:, :n_ctrl])
+        ui = u + h * _small.matmul(a[i], ks[:, :n_ctrl])
         return ks.at[i].set(rhs(ui, s + c[i] * h))
 
     ks = jax.lax.fori_loop(1, stages, stage, ks)
-    z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
-    err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
+    z1 = z + h * _small.matmul(jnp.asarray(tab.b, dtype), ks)
+    err = h * _small.matmul(jnp.asarray(tab.b_error, dtype), ks[:, :n_ctrl])
     return z1, ks[-1], err, ks
 
 

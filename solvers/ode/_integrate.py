@@ -646,8 +646,10 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             if checkpoint:
                 ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
-                new = LastStep(s, h, z_old, ks)
-                last_step = jax.tree.map(lambda a, b: jnp.where(accept, a, b), new, last_step)
+                # Kept whether accepted or not: the loop only stops on a target passed
+                # (after an accepted step), an event (ditto) or a failure (the outputs
+                # past it are NaN), so the step it ends on is an accepted one. No select.
+                last_step = LastStep(s, h, z_old, ks)
             if record:
                 slot = (ctrl.num_accepted - 1) % B
                 new = Record(s, h, z_old, h * _small.matmul(dense, ks), None)
