@@ -88,14 +88,23 @@ def test_whole_odeint_on_an_explicit_mesh():
 def test_whole_state_solves_on_an_explicit_mesh():
     """One problem of the whole sharded state on an Explicit mesh, its dense Jacobian or
     inverse-Hessian gathered (an LU is not partitioned), the result split like the
-    state: root (newton, broyden, dogleg), minimize (lbfgs, bfgs, newton-cg),
-    least_squares (Levenberg-Marquardt, Gauss-Newton) and odeint with the stiff methods
-    (kvaerno5, bdf) and the backsolve adjoint: value, gradient, raise and NaN."""
-    names = ("whole_newton,whole_broyden,whole_dogleg,whole_minimize,whole_bfgs,"
-             "whole_newton_cg,whole_least_squares,whole_gauss_newton,"
-             "whole_odeint_backsolve,whole_odeint_kvaerno5,whole_odeint_bdf")
+    state: root (newton), minimize (lbfgs), least_squares (Levenberg-Marquardt) and
+    odeint with bdf: value, gradient, raise and NaN. (The other methods: the slow
+    test below.)"""
+    names = "whole_newton,whole_minimize,whole_least_squares,whole_odeint_bdf"
     _, cases = _matrix("--solvers", names, "--modes", "explicit")
-    assert len(cases) == 11 * 4
+    assert len(cases) == 4 * 4
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_whole_state_solves_on_an_explicit_mesh_other_methods():
+    """As above for broyden, dogleg, bfgs, newton-cg, Gauss-Newton, kvaerno5 and the
+    backsolve adjoint."""
+    names = ("whole_broyden,whole_dogleg,whole_bfgs,whole_newton_cg,whole_gauss_newton,"
+             "whole_odeint_backsolve,whole_odeint_kvaerno5")
+    _, cases = _matrix("--solvers", names, "--modes", "explicit")
+    assert len(cases) == 7 * 4
     _check(cases)
 
 
@@ -117,12 +126,19 @@ def test_gradient_of_a_replicated_parameter_under_shard_map():
 def test_odeint_adjoints_and_forward_mode_under_shard_map():
     """Under shard_map (check_vma) with vmap, float64: the values, the gradient with
     respect to a replicated parameter and to the sharded batch of odeint with the
-    interpolating adjoint (dopri5, kvaerno5) and with forward sensitivities
+    interpolating adjoint (dopri5; kvaerno5: the slow test below) and with forward sensitivities
     (adjoint="forward"), and forward mode itself (jax.jacfwd in the replicated parameter,
     jax.jvp in the batch), equal those without shard_map (1e-10)."""
-    _, cases = _matrix("--replicated", "--solvers",
-                       "odeint_interpolate,odeint_kvaerno5_interpolate,odeint_forward")
-    assert len(cases) == 3 * 3 + 2
+    _, cases = _matrix("--replicated", "--solvers", "odeint_interpolate,odeint_forward")
+    assert len(cases) == 2 * 3 + 2
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_kvaerno5_interpolating_adjoint_under_shard_map():
+    """As above for kvaerno5's interpolating adjoint."""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_kvaerno5_interpolate")
+    assert len(cases) == 3
     _check(cases)
 
 
@@ -130,11 +146,21 @@ def test_odeint_events_and_dense_output_under_shard_map():
     """Under shard_map (check_vma) with vmap, float64: terminal events (the event time
     and state, dopri5 with the discrete and interpolating adjoints, kvaerno5),
     non-terminal events and dense output (info.solution.evaluate): values and gradients
-    (replicated parameter, sharded batch) equal those without shard_map (1e-10)."""
+    (replicated parameter, sharded batch) equal those without shard_map (1e-10). Here a
+    terminal event (dopri5, discrete adjoint) and dense output; the others: the slow test
+    below."""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_event,odeint_dense")
+    assert len(cases) == 2 * 3
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_odeint_events_other_adjoints_and_methods_under_shard_map():
+    """As above: terminal events with the interpolating adjoint and with kvaerno5, and
+    non-terminal events."""
     _, cases = _matrix("--replicated", "--solvers",
-                       "odeint_event,odeint_event_interpolate,odeint_event_kvaerno5,"
-                       "odeint_event_nonterminal,odeint_dense")
-    assert len(cases) == 5 * 3
+                       "odeint_event_interpolate,odeint_event_kvaerno5,odeint_event_nonterminal")
+    assert len(cases) == 3 * 3
     _check(cases)
 
 
