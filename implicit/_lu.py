@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from implicit import _sharding
 
-__all__ = ["factor", "solve", "iteration_factor", "iteration_solve", "INVERSE_MAX"]
+__all__ = ["factor", "solve", "solve_transpose", "iteration_factor", "iteration_solve",
+           "INVERSE_MAX"]
 
 #: The largest iteration matrix inverted by :func:`iteration_factor` (larger: LU).
 INVERSE_MAX = 64
@@ -44,6 +45,21 @@ def solve(factors, b):
     y = jax.lax.linalg.triangular_solve(lu, rhs, left_side=True, lower=True,
                                         unit_diagonal=True)
     x = jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)[:, 0]
+    return _sharding.split_like(x, b)
+
+
+def solve_transpose(factors, b):
+    """``a⁻ᵀ b`` for the ``factors`` of ``a`` (:func:`factor`); ``b`` a vector.
+
+    With ``p a = l u``: ``aᵀ = uᵀ lᵀ p``, so ``aᵀ x = b`` is ``uᵀ y = b``, ``lᵀ z = y``,
+    ``x = pᵀ z``.
+    """
+    lu, permutation = factors
+    y = jax.lax.linalg.triangular_solve(lu, _sharding.gathered(b)[:, None], left_side=True,
+                                        lower=False, transpose_a=True)
+    z = jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=True, transpose_a=True,
+                                        unit_diagonal=True)[:, 0]
+    x = jnp.zeros_like(z).at[permutation.astype("int32")].set(z)
     return _sharding.split_like(x, b)
 
 

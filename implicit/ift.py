@@ -31,6 +31,7 @@ def custom_root(
     atol=None,
     max_steps=None,
     on_failure="raise",
+    preconditioner=False,
 ):
     """Decorate a root solver so that its derivatives come from the implicit function theorem.
 
@@ -60,6 +61,13 @@ def custom_root(
         with one extra product): ``"raise"`` (default; a runtime error naming the
         linear solver and the residual, also under ``jit``/``vmap``), ``"nan"``
         (NaN derivatives) or ``"ignore"``.
+      preconditioner: the solver also returns, last, ``P``: a ``jax.tree_util.Partial``
+        with ``P(v) ≈ (∂residual/∂x)⁻ᵀ v`` on flat vectors (``x`` raveled), such as a
+        solve with the transpose of the solver's last factored Jacobian. The adjoint
+        solve is then iterative refinement with ``P`` (:func:`implicit.linear.refined`:
+        a step or two where ``P`` is nearly exact), and ``linear_solver`` only where
+        that does not converge. ``rule="jvp"`` does not use it. ``P`` is not part of the
+        decorated function's output.
 
     Returns:
       A decorator turning ``solver`` into ``solver(x0, *args)`` with implicit derivatives.
@@ -84,6 +92,8 @@ def custom_root(
     _checks.check_choice(on_failure, "on_failure", _checks.ON_FAILURE)
     if max_steps is not None:
         _checks.check_max_steps(max_steps)
+    if not isinstance(preconditioner, bool):
+        raise TypeError(f"`preconditioner` must be True or False, got {preconditioner!r:.80}")
 
     def decorator(solver):
         _checks.check_callable(solver, "solver")
@@ -93,7 +103,7 @@ def custom_root(
             x0 = _checks.canonicalize(x0)
             return _implicit_solve(
                 residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, max_steps,
-                on_failure,
+                on_failure, preconditioner,
             )
 
         return wrapped
@@ -139,16 +149,25 @@ def _zero_tangent(leaf):
 
 
 def _implicit_solve(
-    residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, steps, on_failure
+    residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, steps, on_failure,
+    preconditioner=False,
 ):
     # Closure conversion: traced values that `residual` or `solver` close over become
     # explicit inputs, so derivatives reach the residual's ones and the solver's ones
     # receive zero (the solver's dependence is entirely captured by the residual).
     # Under shard_map (check_vma) the residual is traced with the solution's type: the
     # solution may vary over axes the guess does not (a constant guess, sharded args).
+    if preconditioner:  # the solver's last output is P: kept apart from the output
+        solver_with_p = solver
+
+        def solver(x0, *args):
+            return solver_with_p(x0, *args)[:-1] if has_aux else solver_with_p(x0, *args)[0]
+
     x_like = _sharding.like_output(solver, x0, args, has_aux)
     residual_fn, residual_consts = jax.closure_convert(residual, x_like, *args)
-    solver_fn, solver_consts = jax.closure_convert(solver, x0, *args)
+    solver_fn, solver_consts = jax.closure_convert(
+        solver_with_p if preconditioner else solver, x0, *args
+    )
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
     dtype = jnp.result_type(*jax.tree.leaves(x0))
@@ -161,21 +180,28 @@ def _implicit_solve(
     )
 
     def run_solver(x0, args, solver_consts):
+        """The solver's output, and its preconditioner (None without one)."""
         out = solver_fn(x0, *args, *solver_consts)
+        p = None
+        if preconditioner:
+            out, p = (out[:-1], out[-1]) if has_aux else (out[0], out[1])
         x = out[0] if has_aux else out
         _checks.check_like(x, x0, "the solver's solution", "x0")
-        return out
+        return out, p
 
     def split(out):
         return (out[0], out[1]) if has_aux else (out, None)
 
-    def linear_solve(matvec, b, tol, check=True):
-        x = linear.solve(linear_solver, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
+    def linear_solve(matvec, b, tol, check=True, p=None):
+        method, kind = linear_solver, linear_solver
+        if p is not None:  # the solver's approximate inverse: refined, else linear_solver
+            method = linear.refined(p, linear_solver, rtol=tol[0], atol=tol[1],
+                                    max_steps=steps)
+            kind = "gmres"  # (checked by its residual, as an iterative solve is)
+        x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
         if on_failure == "ignore" or not check:
             return x
-        ok, relative = linear.converged(
-            linear_solver, matvec, b, x, rtol=tol[0], atol=tol[1]
-        )
+        ok, relative = linear.converged(kind, matvec, b, x, rtol=tol[0], atol=tol[1])
         if on_failure == "raise":
             everywhere = _all(ok)
             worst = jnp.max(jnp.stack([jnp.max(r) for r in jax.tree.leaves(relative)]))
@@ -190,30 +216,37 @@ def _implicit_solve(
 
     if rule == "vjp":
 
+        # The output is (out, P): fwd calls the rule's own primal (so a second derivative
+        # does not differentiate the solver), and P is one of its results.
         @jax.custom_vjp
-        def solve(x0, args, residual_consts, solver_consts, tol):
-            return run_solver(x0, args, solver_consts)
+        def solve_p(x0, args, residual_consts, solver_consts, tol):
+            out, p = run_solver(x0, args, solver_consts)
+            # The preconditioner only speeds the solve up: a constant.
+            return out, jax.tree.map(jax.lax.stop_gradient, p)
+
+        def solve(*primals):
+            return solve_p(*primals)[0]
 
         def solve_fwd(x0, args, residual_consts, solver_consts, tol):
-            out = solve(x0, args, residual_consts, solver_consts, tol)
-            return out, (split(out)[0], args, residual_consts, tol)
+            out, p = solve_p(x0, args, residual_consts, solver_consts, tol)
+            return (out, p), (split(out)[0], args, residual_consts, tol, p)
 
         def solve_bwd(saved, g):
-            x, args, consts, tol = saved
-            g_x = split(g)[0]
+            x, args, consts, tol, p = saved
+            g_x = split(g[0])[0]
             _, vjp_x = jax.vjp(lambda y: residual_fn(y, *args, *consts), x)
-            w = linear_solve(lambda v: vjp_x(v)[0], g_x, tol)
+            w = linear_solve(lambda v: vjp_x(v)[0], g_x, tol, p=p)
             _, vjp_params = jax.vjp(lambda a, c: residual_fn(x, *a, *c), args, consts)
             args_bar, consts_bar = vjp_params(jax.tree.map(jnp.negative, w))
             return None, args_bar, consts_bar, None, None
 
-        solve.defvjp(solve_fwd, solve_bwd)
+        solve_p.defvjp(solve_fwd, solve_bwd)
 
     else:
 
         @jax.custom_jvp
         def solve(x0, args, residual_consts, solver_consts, tol):
-            return run_solver(x0, args, solver_consts)
+            return run_solver(x0, args, solver_consts)[0]
 
         @solve.defjvp
         def solve_jvp(primals, tangents):

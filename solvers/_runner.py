@@ -352,13 +352,15 @@ def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, messa
 # --- the implicit rule and the policy, attached once ------------------------------------
 
 
-def solve(residual, body, x0, args, *, rtol, options, check, solver):
+def solve(residual, body, x0, args, *, rtol, options, check, solver, preconditioner=False):
     """Run ``body(x0, args) -> (x, Info)`` with implicit derivatives and ``on_failure``.
 
     ``residual(x, *args) == 0`` at the solution gives the derivatives (the iterations in
     ``body`` are never differentiated); the adjoint linear solve uses
     ``options.linear_solver`` at ``ADJOINT_RTOL_FACTOR * rtol`` with ``options.max_steps``
-    and follows ``options.on_failure`` too.
+    and follows ``options.on_failure`` too. With ``preconditioner=True`` ``body`` returns
+    ``(x, Info, P)``, ``P`` the adjoint's preconditioner from the forward pass (see
+    :func:`implicit.custom_root`).
     """
 
     @custom_root(
@@ -369,14 +371,15 @@ def solve(residual, body, x0, args, *, rtol, options, check, solver):
         rtol=ADJOINT_RTOL_FACTOR * rtol,
         max_steps=options.max_steps,
         on_failure=options.on_failure,
+        preconditioner=preconditioner,
     )
     def implicit_solve(x0, *args):
-        x, info = body(x0, args)
+        x, info, *p = body(x0, args)
         x = apply_failure_policy(
             x, info, solver=solver, on_failure=options.on_failure, check=check,
             max_steps=options.max_steps,
         )
-        return x, info
+        return (x, info, *p)
 
     return implicit_solve(x0, *args)
 

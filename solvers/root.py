@@ -103,8 +103,14 @@ def root(
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``
-        (default): ``"dense"`` when the Jacobian is dense, ``"gmres"`` otherwise. A
-        backward solve that misses its tolerance follows ``on_failure``.
+        (default): ``"dense"`` when the Jacobian is dense, ``"gmres"`` otherwise. With a
+        dense Jacobian and ``method="newton"`` or ``"chord"``, the adjoint system is
+        first solved by iterative refinement with the forward pass's last factored
+        Jacobian (Newton's is the root's to within the last step; the kept chord
+        Jacobian contracts the adjoint's error as fast as it did the forward's): no
+        Jacobian is formed for the gradient, and ``linear_solver`` runs only where the
+        refinement does not converge. A backward solve that misses its tolerance
+        follows ``on_failure``.
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
         ``residual`` (``max|F(x*)|``), ``residual_history`` (each step's error estimate,
@@ -295,10 +301,31 @@ def _solve(
             residual=_runner.max_norm(state.fx),
             num_steps=jnp.where(untouched, 0, info.num_steps),
         )
-        return unravel(state.x), info
+        if not preconditioner:
+            return unravel(state.x), info
+        factors = state.quasi if method == "newton" else state.quasi.factors
+        return unravel(state.x), info, _adjoint_preconditioner(factors)
 
+    # The adjoint refined with the last factored Jacobian (see `root`'s linear_solver).
+    preconditioner = (jacobian == "dense" and method in ("newton", "chord")
+                      and options.rule == "vjp")
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
-                         solver=solver)
+                         solver=solver, preconditioner=preconditioner)
+
+
+def _adjoint_preconditioner(factors):
+    """``v -> J⁻ᵀ v`` for the LU ``factors`` of a Jacobian ``J`` the forward pass formed
+    (its last one), as a ``jax.tree_util.Partial``: the adjoint solve's preconditioner
+    (:func:`implicit.custom_root`'s ``preconditioner``). Where that factorisation is not
+    usable (a zero pivot or a non-finite entry: ``J`` singular at that iterate), the
+    identity."""
+    lu = factors[0]
+    usable = jnp.all(jnp.isfinite(lu)) & jnp.all(jnp.diagonal(lu) != 0)
+    return jax.tree_util.Partial(_apply_preconditioner, factors, usable)
+
+
+def _apply_preconditioner(factors, usable, v):
+    return jnp.where(usable, _lu.solve_transpose(factors, v), v)
 
 
 class _State(NamedTuple):
@@ -368,7 +395,8 @@ def _newton(ops, history_size):
         x = state.x
         if ops.jacobian in ("dense", "sparse"):  # a factored Jacobian
             fx, factors = ops.value_and_factor(x)
-            return fx, -ops.apply_inverse(factors, fx), jnp.bool_(True), state.eta, None
+            kept = factors if ops.jacobian == "dense" else None
+            return fx, -ops.apply_inverse(factors, fx), jnp.bool_(True), state.eta, kept
         fx, matvec = jax.linearize(ops.fn, x)
         # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
         eta_prev, fnorm_prev = state.eta
@@ -380,9 +408,12 @@ def _newton(ops, history_size):
         return fx, -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
 
     def update(state, quasi, x, fx, d, moved, halved, small):
-        return None
+        return quasi  # dense: the last factored Jacobian (the adjoint's preconditioner)
 
-    return direction, update, lambda x0: None
+    def init(x0):
+        return ops.placeholder(x0) if ops.jacobian == "dense" else None
+
+    return direction, update, init
 
 
 class _Quasi(NamedTuple):
