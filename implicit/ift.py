@@ -66,8 +66,8 @@ def custom_root(
         solve with the transpose of the solver's last factored Jacobian. The adjoint
         solve is then iterative refinement with ``P`` (:func:`implicit.linear.refined`:
         a step or two where ``P`` is nearly exact), and ``linear_solver`` only where
-        that does not converge. ``rule="jvp"`` does not use it. ``P`` is not part of the
-        decorated function's output.
+        that does not converge. ``rule="jvp"``, ``"jfb"`` and ``"diagonal"`` do not use
+        it. ``P`` is not part of the decorated function's output.
 
     Returns:
       A decorator turning ``solver`` into ``solver(x0, *args)`` with implicit derivatives.
@@ -194,7 +194,9 @@ def _implicit_solve(
 
     def linear_solve(matvec, b, tol, check=True, p=None):
         method, kind = linear_solver, linear_solver
-        if p is not None:  # the solver's approximate inverse: refined, else linear_solver
+        # The solver's approximate inverse: refined, else linear_solver (not for "jfb",
+        # an approximation by design, nor "diagonal", checked elementwise).
+        if p is not None and linear_solver not in ("jfb", "diagonal"):
             method = linear.refined(p, linear_solver, rtol=tol[0], atol=tol[1],
                                     max_steps=steps)
             kind = "gmres"  # (checked by its residual, as an iterative solve is)

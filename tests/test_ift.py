@@ -354,3 +354,21 @@ def test_custom_root_preconditioner_gives_the_exact_gradient(x64, perturb):
     h = jax.grad(lambda s: jax.grad(lambda s: jnp.sum(solver(x0, a, s * b)))(s))(1.0)
     d = jax.grad(lambda s: jnp.sum(solver(x0, a, s * b)))
     np.testing.assert_allclose(h, (d(1.0 + 1e-5) - d(1.0 - 1e-5)) / 2e-5, rtol=1e-6)
+
+
+def test_preconditioner_leaves_jfb_an_approximation(x64):
+    """linear_solver="jfb" stays Jacobian-free backpropagation with a preconditioner: the
+    gradient is what jfb gives, not the exact one."""
+    a, b = _linear_system(3)
+
+    def residual(x, b):
+        return a @ x - b
+
+    @custom_root(residual, linear_solver="jfb", preconditioner=True)
+    def solver(x0, b):
+        return jnp.linalg.solve(a, b), jax.tree_util.Partial(lambda v: jnp.linalg.solve(a.T, v))
+
+    g = jax.grad(lambda b: jnp.sum(solver(jnp.zeros_like(b), b)))(b)
+    # jfb: w = -ḡ, and b̄ = -(∂F/∂b)ᵀ w = -ḡ (the exact gradient is a⁻ᵀ ḡ)
+    np.testing.assert_allclose(g, -np.ones(b.shape), rtol=1e-12)
+    assert not np.allclose(g, np.linalg.solve(np.asarray(a).T, np.ones(b.shape)))
