@@ -43,6 +43,19 @@ def test_iteration_factor_needs_a_pivot(x64):
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-13)
 
 
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_solve_transpose_like_numpy(x64, n):
+    """_lu.solve_transpose: aᵀ x = b from a's LU, against NumPy; the second matrix needs
+    its pivots (a zero leading entry), so a dropped or inverted permutation fails."""
+    for a in (_matrix(n, n + 7), np.roll(_matrix(n, n + 8, dominance=0.0) + np.eye(n), 1, 0)):
+        if n == 1:
+            a = np.array([[2.5]])
+        b = np.random.default_rng(n).standard_normal(n)
+        x = _lu.solve_transpose(_lu.factor(jnp.asarray(a)), jnp.asarray(b))
+        np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.T, b), rtol=1e-11,
+                                   atol=1e-12)
+
+
 def test_iteration_solve_float32_keeps_full_precision():
     # float32: the product is not left to a reduced-precision matmul (TF32 on GPUs).
     a = _matrix(8, 0).astype(np.float32)

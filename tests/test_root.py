@@ -501,3 +501,42 @@ def test_bounds_pytrees_and_a_root_outside_the_box():
 def test_docstring_examples():
     failures, tried = doctest.testmod(root_module)
     assert tried > 0 and failures == 0
+
+
+def _refinement_only_gradient(method, dtype, tol):
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(4 * np.eye(6) + rng.standard_normal((6, 6)) * 0.5, dtype)
+    b = jnp.asarray(rng.standard_normal(6), dtype)
+
+    def F(x, b):
+        return a @ x + 0.5 * x**3 - b
+
+    def never(matvec, rhs):  # would only run where the refinement failed
+        return jax.tree.map(lambda v: jnp.full_like(v, jnp.nan), rhs)
+
+    def loss(b):
+        return jnp.sum(solvers.root(F, jnp.zeros(6, dtype), b, method=method,
+                                    linear_solver=never, **tol))
+
+    g = jax.grad(loss)(b)
+    x = np.asarray(solvers.root(F, jnp.zeros(6, dtype), b, **tol), np.float64)
+    jac = np.asarray(a, np.float64) + np.diag(1.5 * x**2)
+    return np.asarray(g), np.linalg.solve(jac.T, np.ones(6))
+
+
+@pytest.mark.parametrize("method", ["newton", "chord"])
+def test_dense_gradient_refines_with_the_forward_factorisation(method):
+    """Newton's and chord's dense adjoint is solved by refinement with their last LU
+    alone (float32, default tolerances): with a linear_solver that returns NaN, which
+    only runs where the refinement fails, the gradient is still the closed form."""
+    g, expected = _refinement_only_gradient(method, jnp.float32, {})
+    np.testing.assert_allclose(g, expected, rtol=1e-4)
+
+
+def test_dense_newton_gradient_refines_at_tight_tolerances(x64):
+    """The same for Newton in float64 at rtol 1e-12: its last Jacobian is the root's to
+    within the last step, so a few refinements reach 1e-13. (A chord Jacobian contracts
+    the adjoint error only as fast as the forward one, and there the fallback may run.)"""
+    g, expected = _refinement_only_gradient("newton", jnp.float64,
+                                            {"rtol": 1e-12, "atol": 1e-14})
+    np.testing.assert_allclose(g, expected, rtol=1e-9)
