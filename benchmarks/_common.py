@@ -45,8 +45,9 @@ class Compiled:
 
 def compile_time(fn, *args):
     """Seconds to lower and compile ``jax.jit(fn)`` for ``args``; returns (seconds,
-    :class:`Compiled`): ``jit``'s own cache is filled by one untimed call (a second
-    compilation)."""
+    :class:`Compiled`). One untimed call fills ``jit``'s dispatch cache; it finds the
+    executable in JAX's compilation cache (measured: 2.6 ms after a 2.4 s compile), so
+    nothing is compiled twice."""
     jitted = jax.jit(fn)
     start = time.perf_counter()
     aot = jitted.lower(*args).compile()

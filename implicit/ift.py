@@ -157,17 +157,14 @@ def _implicit_solve(
     # receive zero (the solver's dependence is entirely captured by the residual).
     # Under shard_map (check_vma) the residual is traced with the solution's type: the
     # solution may vary over axes the guess does not (a constant guess, sharded args).
-    if preconditioner:  # the solver's last output is P: kept apart from the output
-        solver_with_p = solver
+    def without_p(out):  # the solver's output without its trailing preconditioner
+        if not preconditioner:
+            return out
+        return out[:-1] if has_aux else out[0]
 
-        def solver(x0, *args):
-            return solver_with_p(x0, *args)[:-1] if has_aux else solver_with_p(x0, *args)[0]
-
-    x_like = _sharding.like_output(solver, x0, args, has_aux)
+    x_like = _sharding.like_output(lambda *a: without_p(solver(*a)), x0, args, has_aux)
     residual_fn, residual_consts = jax.closure_convert(residual, x_like, *args)
-    solver_fn, solver_consts = jax.closure_convert(
-        solver_with_p if preconditioner else solver, x0, *args
-    )
+    solver_fn, solver_consts = jax.closure_convert(solver, x0, *args)
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
     dtype = jnp.result_type(*jax.tree.leaves(x0))
@@ -182,9 +179,8 @@ def _implicit_solve(
     def run_solver(x0, args, solver_consts):
         """The solver's output, and its preconditioner (None without one)."""
         out = solver_fn(x0, *args, *solver_consts)
-        p = None
-        if preconditioner:
-            out, p = (out[:-1], out[-1]) if has_aux else (out[0], out[1])
+        p = out[-1] if preconditioner else None
+        out = without_p(out)
         x = out[0] if has_aux else out
         _checks.check_like(x, x0, "the solver's solution", "x0")
         return out, p

@@ -232,6 +232,17 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
     def matvec_flat(v):
         return ravel_pytree(matvec(unravel(v)))[0]
 
+    raw = _flat_method(linear_solver, unravel, rtol, atol, max_steps, b_flat.size)
+    x_flat = jax.lax.custom_linear_solve(
+        matvec_flat, b_flat, solve=raw, transpose_solve=raw, symmetric=linear_solver == "cg"
+    )
+    return unravel(x_flat)
+
+
+def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
+    """``(matvec_flat, b_flat) -> x_flat`` for a name in :data:`LINEAR_SOLVERS` or a
+    callable (which sees pytrees shaped by ``unravel``). ``max_steps`` None: 10 x
+    ``size``, within [200, 2000]."""
     if callable(linear_solver):
 
         def raw(mv_flat, rhs_flat):
@@ -240,21 +251,10 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
 
             return ravel_pytree(linear_solver(mv, unravel(rhs_flat)))[0]
 
-    else:
-        steps = max_steps if max_steps is not None else _default_steps(b_flat.size)
-        method = _METHODS[linear_solver]
-
-        def raw(mv_flat, rhs_flat):
-            return method(mv_flat, rhs_flat, rtol, atol, steps)
-
-    x_flat = jax.lax.custom_linear_solve(
-        matvec_flat, b_flat, solve=raw, transpose_solve=raw, symmetric=linear_solver == "cg"
-    )
-    return unravel(x_flat)
-
-
-def _default_steps(size):
-    return max(200, min(10 * size, 2000))
+        return raw
+    steps = max_steps if max_steps is not None else max(200, min(10 * size, 2000))
+    method = _METHODS[linear_solver]
+    return lambda mv_flat, rhs_flat: method(mv_flat, rhs_flat, rtol, atol, steps)
 
 
 #: Refinement steps with a solver's approximate inverse before the configured solve takes
@@ -300,12 +300,8 @@ def refined(p, fallback, *, rtol, atol, max_steps=None):
         x, _, r_norm, _ = _sharding.while_loop(cond, body, (x, *residual(x), jnp.int32(0)))
 
         def rescue(c):
-            steps = max_steps if max_steps is not None else _default_steps(b_flat.size)
-            if callable(fallback):
-                x = ravel_pytree(fallback(matvec, b))[0]
-            else:
-                x = _METHODS[fallback](mv, b_flat, rtol, atol, steps)
-            return jnp.zeros((), bool), x
+            solve_flat = _flat_method(fallback, unravel, rtol, atol, max_steps, b_flat.size)
+            return jnp.zeros((), bool), solve_flat(mv, b_flat)
 
         # (NaN fails the test: rescued too)
         _, x = _sharding.while_loop(lambda c: c[0], rescue, (~(r_norm <= bound), x))

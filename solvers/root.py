@@ -271,6 +271,10 @@ def _solve(
     def project(v):
         return jnp.clip(v, lower, upper)
 
+    # The adjoint refined with the last factored Jacobian (see `root`'s linear_solver).
+    preconditioner = (jacobian == "dense" and method in ("newton", "chord")
+                      and options.rule == "vjp")
+
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
         x0_flat = project(x0_flat)
@@ -306,9 +310,6 @@ def _solve(
         factors = state.quasi if method == "newton" else state.quasi.factors
         return unravel(state.x), info, _adjoint_preconditioner(factors)
 
-    # The adjoint refined with the last factored Jacobian (see `root`'s linear_solver).
-    preconditioner = (jacobian == "dense" and method in ("newton", "chord")
-                      and options.rule == "vjp")
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
                          solver=solver, preconditioner=preconditioner)
 
