@@ -355,6 +355,11 @@ def robertson_rows(loss_ref, grad_ref, rtol=ROB_RTOL, atol=ROB_ATOL):
                     *ours(robertson, *args, "kvaerno5", log_params=True,
                           adjoint_rtol=rtol / 10, adjoint_atol=atol / 10, **tol),
                     logk, rob_loss, loss_ref, grad_ref)]
+    rows += [measure(f"ours {method}, adjoint='forward_adaptive'", OURS,
+                     *ours(robertson, *args, method, log_params=True,
+                           adjoint="forward_adaptive", **tol),
+                     logk, rob_loss, loss_ref, grad_ref)
+             for method in ("kvaerno5", "bdf")]
     import diffrax
 
     rows.append(measure("diffrax Kvaerno5 PIDController", "peer",
@@ -398,14 +403,22 @@ def van_der_pol_reference():
     return final(mu, 1e-12), np.array([(final(mu + d, 1e-11) - final(mu - d, 1e-11)) / (2 * d)])
 
 
+def van_der_pol_table():
+    print("\nvan der Pol reference (SciPy Radau, tight) ...", flush=True)
+    rows = van_der_pol_rows(*van_der_pol_reference())
+    print_table("van der Pol, mu = 1000, to t = 3000: y1(T) and its gradient w.r.t. mu, "
+                "rtol = atol = 1e-6", rows, ODE_COLUMNS, ratio_columns=ODE_RATIOS)
+
+
 def van_der_pol_rows(loss_ref, grad_ref):
     args = (VDP_Y0, VDP_TS)
     tol = dict(rtol=VDP_RTOL, atol=VDP_RTOL)
     mu = np.array([VDP_MU])
-    rows = [measure(f"ours {method}", OURS,
-                    *ours(van_der_pol, *args, method, max_steps=200_000, **tol),
+    rows = [measure(f"ours {method}" + (f", adjoint={adjoint!r}" if adjoint else ""), OURS,
+                    *ours(van_der_pol, *args, method, max_steps=200_000, adjoint=adjoint,
+                          **tol),
                     mu, vdp_loss, loss_ref, grad_ref)
-            for method in ("kvaerno5", "bdf")]
+            for adjoint in (None, "forward_adaptive") for method in ("kvaerno5", "bdf")]
     rows.append(measure("diffrax Kvaerno5 PIDController", "peer",
                         *diffrax_solver(van_der_pol, *args, "Kvaerno5",
                                         "RecursiveCheckpointAdjoint", **tol),
@@ -768,11 +781,7 @@ def main():
         "SciPy: Python right-hand side, finite-difference Jacobian for the implicit methods.",
     ):
         print(f"- {note}")
-    print("\nvan der Pol reference (SciPy Radau, tight) ...", flush=True)
-    vdp_ref = van_der_pol_reference()
-    vdp_rows = van_der_pol_rows(*vdp_ref)
-    print_table("van der Pol, mu = 1000, to t = 3000: y1(T) and its gradient w.r.t. mu, "
-                "rtol = atol = 1e-6", vdp_rows, columns, ratio_columns=ratios)
+    van_der_pol_table()
     print("\nWork–precision ...", flush=True)
     lv, rob = work_precision(rob_ref)
     path = os.path.join(RESULTS, "ode_work_precision.png")
@@ -792,6 +801,9 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["brusselator"]:  # that table alone
         warm_up()
         brusselator_main()
+    elif sys.argv[1:] == ["van_der_pol"]:  # that table alone
+        warm_up()
+        van_der_pol_table()
     elif sys.argv[1:] == ["robertson"]:  # those tables alone
         warm_up()
         robertson_tables(robertson_reference())

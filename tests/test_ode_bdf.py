@@ -236,10 +236,11 @@ def test_nonfinite_fails_loudly(x64):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open (issue 15): at rtol 1e-6 bdf's gradient is -0.0758 (discrete) "
-                   "or -0.00469 (interpolate) against -0.00353; at rtol 1e-8 -0.00243 and "
-                   "-0.00345. The step sizes are held fixed (as for kvaerno5, docs/ode.md)",
-                   strict=False)
+@pytest.mark.xfail(reason="the default adjoint: at rtol 1e-6 bdf's gradient is -0.0758 "
+                   "(discrete) or -0.00469 (interpolate) against -0.00353; at rtol 1e-8 "
+                   "-0.00243 and -0.00345. The step sizes are held fixed (as for kvaerno5, "
+                   "docs/ode.md); adjoint='forward_adaptive' differentiates them and meets "
+                   "it: tests/test_ode_forward_adaptive.py", strict=False)
 def test_van_der_pol_gradient_at_rtol_1e6(x64):
     def final(mu, rtol):
         ys = odeint(van_der_pol, jnp.array([2.0, 0.0]), jnp.array([0.0, 3000.0]), mu,

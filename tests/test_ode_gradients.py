@@ -255,11 +255,11 @@ def test_van_der_pol_stiff_gradient_matches_finite_differences(x64):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="open (issue 10): at rtol 1e-6 the gradient is -0.388 (discrete) "
-                   "or -3.8 (interpolate) against -0.00353; 5% off at 1e-8, 0.4% at 1e-9. "
-                   "Measured cause: the frozen step sizes (the jumps move across a fixed "
-                   "grid); differentiating the step sizes gives 1.4% (docs/ode.md, known "
-                   "gap)", strict=False)
+@pytest.mark.xfail(reason="the default adjoint holds the step sizes fixed: at rtol 1e-6 the "
+                   "gradient is -0.388 (discrete) or -3.8 (interpolate) against -0.00353; "
+                   "5% off at 1e-8, 0.4% at 1e-9 (the jumps move across a grid held fixed; "
+                   "docs/ode.md). adjoint='forward_adaptive' differentiates the steps and "
+                   "meets it: tests/test_ode_forward_adaptive.py", strict=False)
 def test_van_der_pol_stiff_gradient_at_rtol_1e6(x64):
     _vdp_check(1e-6)
 

@@ -44,6 +44,10 @@ Gradients
     output, ``adjoint_window`` steps at a time, and interpolated. First derivatives only.
   - ``adjoint="forward"``: forward sensitivities (a ``jax.custom_jvp``), so ``jax.jvp``,
     ``jax.jacfwd`` and ``jax.hessian`` work too, at any order; for few parameters.
+  - ``adjoint="forward_adaptive"``: forward mode through the integration itself, the
+    step sizes and stage iterations differentiated too (the derivative of the computed
+    outputs with the steps moving as they do): for relaxation oscillations, whose fast
+    jumps move along a grid the other rules hold fixed. ``jax.grad`` at first order.
 
   Memory holds the outputs and a fixed number of checkpoints or steps, never all the
   steps: it does not grow with the number of steps or with ``max_steps``.

@@ -41,7 +41,7 @@ import numpy as np
 
 from implicit import _sharding
 from implicit import _lu
-from solvers.ode import _small
+from solvers.ode import _control, _small
 
 __all__ = ["bdf_stepper", "MAX_ORDER", "NEWTON_MAXITER"]
 
@@ -172,8 +172,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         return (jnp.asarray(_ALPHA, dtype), jnp.asarray(_GAMMA, dtype),
                 jnp.asarray(_ERROR_CONST, dtype), jnp.asarray(_MONOMIALS, dtype))
 
-    def rms(v, scale):
-        return jnp.sqrt(jnp.mean(jnp.square(v / scale)))
+    rms = _control.rms
 
     def jac(u, t):
         if structure is not None:  # compressed, (colours, n): the cache keeps this form
@@ -243,7 +242,10 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
                           jnp.inf)
         norms = jnp.stack([err_m, err_norm, err_p])
         expo = -1.0 / (k + jnp.arange(3)).astype(dtype)
-        factors = jnp.where(jnp.isnan(norms), 0.0, norms**expo)
+        # (a zero error estimate: an infinite factor, and a zero derivative, not NaN)
+        positive = norms > 0
+        factors = jnp.where(positive, jnp.where(positive, norms, 1.0) ** expo, jnp.inf)
+        factors = jnp.where(jnp.isnan(norms), 0.0, factors)
         n_equal = n_equal + 1
         select = n_equal >= k + 1
         new_order = jnp.where(select, k + jnp.argmax(factors) - 1, k)

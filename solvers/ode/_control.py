@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["error_ratio", "pi_factor", "initial_step", "FACTOR_MIN", "FACTOR_MAX"]
+__all__ = ["error_ratio", "rms", "pi_factor", "initial_step", "FACTOR_MIN", "FACTOR_MAX"]
 
 SAFETY = 0.9
 FACTOR_MIN = 0.2  # largest shrink after a rejected step
@@ -20,7 +20,16 @@ def error_ratio(err, z0, z1, rtol, atol, n_ctrl):
     left out: the seminorm of Kidger, Chen & Lyons (2021).
     """
     scale = atol + rtol * jnp.maximum(jnp.abs(z0[:n_ctrl]), jnp.abs(z1[:n_ctrl]))
-    return jnp.sqrt(jnp.mean(jnp.square(err[:n_ctrl] / scale)))
+    return rms(err[:n_ctrl], scale)
+
+
+def rms(v, scale):
+    """``sqrt(mean((v / scale)²))``, whose derivative at ``v = 0`` is zero (the norm's
+    subgradient), not ``sqrt``'s infinite one times zero (NaN): the step sizes read it, and
+    ``adjoint="forward_adaptive"`` differentiates them."""
+    ms = jnp.mean(jnp.square(v / scale))
+    positive = ms > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, ms, 1.0)), 0.0)
 
 
 def pi_factor(ratio, ratio_prev, accept, *, beta1, beta2):
@@ -45,14 +54,11 @@ def initial_step(rhs, s0, u0, k0, span, rtol, atol, order):
     dtype = u0.dtype
     scale = atol + rtol * jnp.abs(u0)
 
-    def rms(v):
-        return jnp.sqrt(jnp.mean(jnp.square(v / scale)))
-
-    d0, d1 = rms(u0), rms(k0)
+    d0, d1 = rms(u0, scale), rms(k0, scale)
     h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), jnp.asarray(1e-6, dtype), 0.01 * d0 / d1)
     h0 = jnp.minimum(h0, span)
     k1 = rhs(u0 + h0 * k0, s0 + h0)
-    d2 = rms(k1 - k0) / h0
+    d2 = rms(k1 - k0, scale) / h0
     dmax = jnp.maximum(d1, d2)
     h1 = jnp.where(
         dmax <= 1e-15,

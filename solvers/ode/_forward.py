@@ -23,6 +23,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from implicit import _sharding
+from solvers import _status
 from solvers.ode import _adjoint, _integrate
 
 __all__ = ["make_solve"]
@@ -45,7 +46,8 @@ def _join(a, b):
     return jax.tree.map(lambda x, y: jnp.concatenate([x, jnp.ravel(y)]), a, b)
 
 
-def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=None):
+def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=None,
+               adaptive=False):
     """A ``jax.custom_jvp`` ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``stepper_of(theta, const, rtol, atol, order)`` builds the method's
@@ -57,6 +59,15 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
     step's heuristic). ``ctl = (rtol, atol, _, _, h0, max_steps)``; its tangents (and
     ``const``'s) are ignored. ``on_failure="nan"``: the tangents of a failed integration
     are NaN too (as the reverse adjoints' gradients are).
+
+    ``adaptive=True`` (``adjoint="forward_adaptive"``): the sensitivities are instead the
+    ``jax.jvp`` of the integration itself along each direction, so they also carry the
+    derivatives of what the primal chose from the state (the first step, every step size
+    from the controller, rejections, the last step shortened onto ``ts[-1]``, the stage
+    iterations of an implicit method): the exact derivative of the computed outputs as a
+    function of the inputs. Forward mode through the loop (memory independent of the
+    number of steps); the tangent is still ``S · ṗ``, so reverse mode works at first order.
+    Non-finite sensitivities of a finite solution set the status ``nonfinite``.
     """
 
     @jax.custom_jvp
@@ -101,17 +112,23 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
         # vary over the mesh (odeint casts them); a tangent must have its primal's type.
         S0, theta_dirs = _sharding.vary_like((S0, theta_dirs), (z0, theta))
 
-        # The directions travel as an argument (in ``const``), never closed over: the
-        # augmented solve is a custom_jvp traced on its own.
-        aug_stepper_of, G_aug, G_ctrl_aug = _augment(stepper_of, G, G_ctrl, N)
-        aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl, on_failure=on_failure,
-                               progress=progress)
-        Zs, stats = aug_solve(
-            jnp.concatenate([z0, S0.ravel()]), ts, theta, (const, theta_dirs), ctl
-        )
-        T = Zs.shape[0]
-        zs = Zs[:, :N]
-        S = Zs[:, N:].reshape(T, D, N)
+        if adaptive:
+            zs, stats, S = _adaptive_sensitivities(
+                stepper_of, G_ctrl, n_ctrl, z0, ts, theta, const, ctl, S0, theta_dirs,
+                progress,
+            )
+        else:
+            # The directions travel as an argument (in ``const``), never closed over: the
+            # augmented solve is a custom_jvp traced on its own.
+            aug_stepper_of, G_aug, G_ctrl_aug = _augment(stepper_of, G, G_ctrl, N)
+            aug_solve = make_solve(aug_stepper_of, G_aug, G_ctrl_aug, n_ctrl,
+                                   on_failure=on_failure, progress=progress)
+            Zs, stats = aug_solve(
+                jnp.concatenate([z0, S0.ravel()]), ts, theta, (const, theta_dirs), ctl
+            )
+            T = Zs.shape[0]
+            zs = Zs[:, :N]
+            S = Zs[:, N:].reshape(T, D, N)
         parts = []
         if use_z0:
             parts.append(jnp.zeros((N,), dtype) if _is_zero(dz0) else dz0)
@@ -133,6 +150,32 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
 
     solve.defjvp(solve_jvp, symbolic_zeros=True)
     return solve
+
+
+def _adaptive_sensitivities(stepper_of, G_ctrl, n_ctrl, z0, ts, theta, const, ctl, S0,
+                            theta_dirs, progress):
+    """``(zs, Stats, S)``: the integration and its ``jax.jvp`` along the ``D`` directions
+    ``(S0, theta_dirs)`` (``S``: ``(T, D, N)``), the step-size choices differentiated too."""
+    rtol, atol, _, _, h0, budget = ctl
+
+    def run(z0, theta):
+        stepper = stepper_of(theta, const, rtol, atol, 0)
+        return _integrate.integrate(
+            stepper, lambda u, s: G_ctrl(u, s, theta, const), z0, ts, rtol, atol, h0,
+            budget, n_ctrl, progress=progress,
+        )
+
+    def along(dz0, dtheta):
+        (zs, stats), (dzs, _) = jax.jvp(run, (z0, theta), (dz0, dtheta))
+        return zs, stats, dzs
+
+    # The primal does not depend on the direction: one integration, D tangents.
+    zs, stats, S = jax.vmap(along, out_axes=(None, None, 1))(S0, theta_dirs)
+    finite = jnp.all(jnp.isfinite(S)) | ~jnp.all(jnp.isfinite(zs))
+    status = jnp.where(
+        finite | (stats.status != _integrate.NOT_FAILED), stats.status, _status.NONFINITE
+    )
+    return zs, stats._replace(status=status.astype(stats.status.dtype)), S
 
 
 def _augment(stepper_of, G, G_ctrl, N):
