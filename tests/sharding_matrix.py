@@ -375,6 +375,7 @@ def _replicated_problems():
         "odeint_backsolve": ode(adjoint="backsolve"),
         "odeint_interpolate": ode(adjoint="interpolate"),
         "odeint_forward": ode(adjoint="forward"),
+        "odeint_forward_adaptive": ode(adjoint="forward_adaptive"),
         "odeint_kvaerno5": ode(method="kvaerno5"),
         "odeint_kvaerno5_interpolate": ode(method="kvaerno5", adjoint="interpolate"),
         "odeint_bdf": ode(method="bdf"),
@@ -404,6 +405,8 @@ REPLICATED_CASES = (
     + [(name, check) for name in _ODE_MODES
        for check in ("value", "grad_replicated", "grad_batched")]
     + [("odeint_forward", "jacfwd"), ("odeint_forward", "jvp_batched")]
+    + [("odeint_forward_adaptive", check) for check in (
+        "value", "grad_replicated", "grad_batched", "jacfwd", "jvp_batched")]
 )
 
 

@@ -142,6 +142,15 @@ def test_odeint_adjoints_and_forward_mode_under_shard_map():
 
 
 @pytest.mark.slow
+def test_forward_adaptive_under_shard_map():
+    """As above for adjoint="forward_adaptive" (forward mode through the integration):
+    values, both gradients, jax.jacfwd and jax.jvp."""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_forward_adaptive")
+    assert len(cases) == 5
+    _check(cases)
+
+
+@pytest.mark.slow
 def test_kvaerno5_interpolating_adjoint_under_shard_map():
     """As above for kvaerno5's interpolating adjoint."""
     _, cases = _matrix("--replicated", "--solvers", "odeint_kvaerno5_interpolate")
