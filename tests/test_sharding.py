@@ -77,11 +77,19 @@ def test_matrix_full():
 def test_whole_odeint_on_an_explicit_mesh():
     """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
     gradient (discrete adjoint), raise and NaN, the output sharded like the state; the
-    same for its dense output (info.solution.evaluate), a terminal event of the whole
-    state (its time and the state there) and non-terminal events."""
-    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_dense,whole_odeint_event,"
-                       "whole_odeint_nonterminal", "--modes", "explicit")
-    assert len(cases) == 4 * 4
+    same for a terminal event of the whole state (its time and the state there). (Dense
+    output and non-terminal events: the slow test below.)"""
+    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_event", "--modes", "explicit")
+    assert len(cases) == 2 * 4
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_whole_odeint_dense_and_nonterminal_on_an_explicit_mesh():
+    """As above for its dense output (info.solution.evaluate) and non-terminal events."""
+    _, cases = _matrix("--solvers", "whole_odeint_dense,whole_odeint_nonterminal", "--modes",
+                       "explicit")
+    assert len(cases) == 2 * 4
     _check(cases)
 
 
@@ -163,20 +171,20 @@ def test_odeint_events_and_dense_output_under_shard_map():
     and state, dopri5 with the discrete and interpolating adjoints, kvaerno5),
     non-terminal events and dense output (info.solution.evaluate): values and gradients
     (replicated parameter, sharded batch) equal those without shard_map (1e-10). Here a
-    terminal event (dopri5, discrete adjoint) and dense output; the others: the slow test
-    below."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_event,odeint_dense")
-    assert len(cases) == 2 * 3
+    terminal event (dopri5, discrete adjoint); the others: the slow test below."""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_event")
+    assert len(cases) == 3
     _check(cases)
 
 
 @pytest.mark.slow
 def test_odeint_events_other_adjoints_and_methods_under_shard_map():
-    """As above: terminal events with the interpolating adjoint and with kvaerno5, and
-    non-terminal events."""
+    """As above: terminal events with the interpolating adjoint and with kvaerno5,
+    non-terminal events and dense output."""
     _, cases = _matrix("--replicated", "--solvers",
-                       "odeint_event_interpolate,odeint_event_kvaerno5,odeint_event_nonterminal")
-    assert len(cases) == 3 * 3
+                       "odeint_event_interpolate,odeint_event_kvaerno5,odeint_event_nonterminal,"
+                       "odeint_dense")
+    assert len(cases) == 4 * 3
     _check(cases)
 
 
