@@ -73,6 +73,7 @@ def test_contract_stiff_2x2(method, seed, log_fast, T):
                     must_succeed=True)
 
 
+@pytest.mark.slow
 @examples(2)
 @given(seed=seeds, log_fast=st.floats(0.0, 2.5), T=st.floats(0.5, 3.0))
 def test_contract_explicit_2x2(seed, log_fast, T):
@@ -84,8 +85,8 @@ def lotka_volterra(y, t, a, b, c, d):
     return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
 
 
-@pytest.mark.parametrize("method", [pytest.param("tsit5", marks=pytest.mark.slow),
-                                    pytest.param("kvaerno5", marks=pytest.mark.slow), "bdf"])
+@pytest.mark.parametrize("method", ["tsit5", pytest.param("kvaerno5", marks=pytest.mark.slow),
+                                    pytest.param("bdf", marks=pytest.mark.slow)])
 def test_derivative_of_the_computed_map(x64, method):
     # Central differences of odeint itself at the same (loose) tolerance differentiate the
     # step-size choices too: that is the derivative this adjoint computes. The fixed-step
@@ -132,6 +133,7 @@ def test_vmap_pytree_and_closure(x64):
     np.testing.assert_allclose(gw, (1 - np.exp(-ks)) / ks, rtol=1e-7)
 
 
+@pytest.mark.slow
 def test_hessian(x64):
     # Forward over the rule: d²/dk² e^{-k} = e^{-k}.
     h = jax.hessian(lambda k: odeint(lambda y, t, k: -k * y, 1.0, jnp.array([0.0, 1.0]), k,
@@ -140,7 +142,7 @@ def test_hessian(x64):
 
 
 @pytest.mark.parametrize("method", ["dopri5", pytest.param("kvaerno5", marks=pytest.mark.slow),
-                                    "bdf"])
+                                    pytest.param("bdf", marks=pytest.mark.slow)])
 def test_zero_solution_has_finite_derivatives(x64, method):
     # y0 = 0: every error estimate is exactly zero. Its derivative is the norm's (zero),
     # not sqrt's infinite one times zero: before, NaN sensitivities (a loud failure).

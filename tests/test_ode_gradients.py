@@ -264,6 +264,7 @@ def test_van_der_pol_stiff_gradient_at_rtol_1e6(x64):
     _vdp_check(1e-6)
 
 
+@pytest.mark.slow
 def test_window_invariance_past_the_checkpoint_slots(x64):
     # ~1000 accepted steps: with adjoint_window=1 the 128 checkpoints thin out to every 8
     # steps, and blocks are replayed from further back: still the same gradient.

@@ -62,7 +62,9 @@ def test_brusselator_forward_against_scipy(x64, method, sparsity):
     assert bool(info.converged)
 
 
-@pytest.mark.parametrize("method,adjoint", [("bdf", "discrete"), ("kvaerno5", "discrete"),
+@pytest.mark.parametrize("method,adjoint", [("bdf", "discrete"),
+                                            pytest.param("kvaerno5", "discrete",
+                                                         marks=pytest.mark.slow),
                                             ("kvaerno5", "forward")])
 def test_brusselator_gradient_against_finite_differences(x64, method, adjoint):
     eps = 1e-5

@@ -144,7 +144,7 @@ def linear_odes(draw):
     return draw(uniform((n,))), M, draw(uniform((n,))), draw(st.floats(0.5, 2.0))
 
 
-@pytest.mark.parametrize("method", ["dopri5", "tsit5"])
+@pytest.mark.parametrize("method", ["dopri5", pytest.param("tsit5", marks=pytest.mark.slow)])
 @examples(6)
 @given(problem=linear_odes())
 def test_linear_ode_and_its_gradients_match_expm(method, problem):

@@ -140,12 +140,20 @@ def test_gradient_of_a_replicated_parameter_under_shard_map_other_solvers():
 
 def test_odeint_adjoints_and_forward_mode_under_shard_map():
     """Under shard_map (check_vma) with vmap, float64: the values, the gradient with
-    respect to a replicated parameter and to the sharded batch of odeint with the
-    interpolating adjoint (dopri5; kvaerno5: the slow test below) and with forward sensitivities
-    (adjoint="forward"), and forward mode itself (jax.jacfwd in the replicated parameter,
-    jax.jvp in the batch), equal those without shard_map (1e-10)."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_interpolate,odeint_forward")
-    assert len(cases) == 2 * 3 + 2
+    respect to a replicated parameter and to the sharded batch of odeint with forward
+    sensitivities (adjoint="forward"), and forward mode itself (jax.jacfwd in the
+    replicated parameter, jax.jvp in the batch), equal those without shard_map (1e-10).
+    (The interpolating adjoint, dopri5 and kvaerno5: the slow tests below.)"""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_forward")
+    assert len(cases) == 3 + 2
+    _check(cases)
+
+
+@pytest.mark.slow
+def test_interpolating_adjoint_under_shard_map():
+    """As above for the interpolating adjoint (dopri5)."""
+    _, cases = _matrix("--replicated", "--solvers", "odeint_interpolate")
+    assert len(cases) == 3
     _check(cases)
 
 
