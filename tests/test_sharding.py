@@ -143,34 +143,24 @@ def test_odeint_adjoints_and_forward_mode_under_shard_map():
     respect to a replicated parameter and to the sharded batch of odeint with forward
     sensitivities (adjoint="forward"), and forward mode itself (jax.jacfwd in the
     replicated parameter, jax.jvp in the batch), equal those without shard_map (1e-10).
-    (The interpolating adjoint, dopri5 and kvaerno5: the slow tests below.)"""
+    (The interpolating adjoint and "forward_adaptive": the slow test below.)"""
     _, cases = _matrix("--replicated", "--solvers", "odeint_forward")
     assert len(cases) == 3 + 2
     _check(cases)
 
 
 @pytest.mark.slow
-def test_interpolating_adjoint_under_shard_map():
-    """As above for the interpolating adjoint (dopri5)."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_interpolate")
-    assert len(cases) == 3
-    _check(cases)
-
-
-@pytest.mark.slow
-def test_forward_adaptive_under_shard_map():
-    """As above for adjoint="forward_adaptive" (forward mode through the integration):
-    values, both gradients, jax.jacfwd and jax.jvp."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_forward_adaptive")
-    assert len(cases) == 5
-    _check(cases)
-
-
-@pytest.mark.slow
-def test_kvaerno5_interpolating_adjoint_under_shard_map():
-    """As above for kvaerno5's interpolating adjoint."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_kvaerno5_interpolate")
-    assert len(cases) == 3
+@pytest.mark.parametrize("name,count", [
+    ("odeint_interpolate", 3),  # the interpolating adjoint, dopri5
+    ("odeint_kvaerno5_interpolate", 3),
+    # forward mode through the integration: values, both gradients, jacfwd and jvp
+    ("odeint_forward_adaptive", 5),
+])
+def test_other_adjoints_under_shard_map(name, count):
+    """As above for the interpolating adjoint (dopri5, kvaerno5) and
+    adjoint="forward_adaptive"."""
+    _, cases = _matrix("--replicated", "--solvers", name)
+    assert len(cases) == count
     _check(cases)
 
 
