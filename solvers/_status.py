@@ -19,6 +19,8 @@ names. ``0`` is success; every other code is a failure that follows ``on_failure
 ``invalid_input``         an input checked at run time (traced ``ts`` not increasing)
 ``drift``                 an ODE ``backsolve`` adjoint's backward-integrated state left
                           the stored forward solution (or a replay missed its steps)
+``gradient_error``        an ODE gradient's error estimate (the discrete adjoint's, whose
+                          step sizes are held fixed) is a large fraction of the gradient
 ========================  ======================================================
 """
 
@@ -39,6 +41,7 @@ __all__ = [
     "STEP_UNDERFLOW",
     "INVALID_INPUT",
     "DRIFT",
+    "GRADIENT_ERROR",
     "RUNNING",
     "STATUSES",
     "status_name",
@@ -57,6 +60,7 @@ STATUSES = (
     "step_underflow",
     "invalid_input",
     "drift",
+    "gradient_error",
 )
 (
     CONVERGED,
@@ -70,6 +74,7 @@ STATUSES = (
     STEP_UNDERFLOW,
     INVALID_INPUT,
     DRIFT,
+    GRADIENT_ERROR,
 ) = range(len(STATUSES))
 #: Inside a loop only: not stopped yet. Never returned in ``info.status``.
 RUNNING = -1
@@ -171,5 +176,12 @@ def explain(code, *, max_steps=None):
             "the state reconstructed by the backward pass drifted away from the forward "
             "solution (integrating a dissipative system backwards is unstable)",
             "use the default adjoint instead of adjoint='backsolve'",
+        )
+    if code == GRADIENT_ERROR:
+        return (
+            "the gradient's error estimate is a large fraction of the gradient (it is the "
+            "derivative of the computed solution with its step sizes held fixed, and the "
+            "solution's local errors move with the inputs)",
+            "tighten rtol/atol, or differentiate the step sizes too",
         )
     return (f"unknown status {code}", "report this as a bug")

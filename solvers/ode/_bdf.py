@@ -332,7 +332,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         ok = conv & jnp.all(jnp.isfinite(y_new))
         return y_new, err, ks, acc, rej, ok, (fevals, njac, nlu)
 
-    def diff_step(s, z, cache, h, ks_star):
+    def diff_step(s, z, cache, h, ks_star, eps=None):
         # The corrector at the solution d* the forward found (from ks_star's last row):
         # F(d) = d - c f(y_pred + d) + ψ = 0, so dd = -(I - cJ(y*))⁻¹ dF (the implicit
         # function theorem, exact Jacobian at y*). Written as d = d* - (x - sg(x)),
@@ -354,6 +354,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         else:
             x = _lu.solve(_lu.factor(jnp.eye(n, dtype=dtype) - c * J), F)
         d = d_star - (x - sg(x))
+        if eps is not None:  # a perturbation where the local error is made: the
+            d = d + eps  # corrector, so that the history (D) sees it too
         y_new = y_pred + d
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h,
                                                  sg(cache.safety), dtype)
@@ -361,7 +363,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
                             order=sg(order), n_equal=sg(n_eq), c_lu=cache.c_lu,
                             fresh=jnp.zeros((), dtype), factor=sg(factor),
                             safety=cache.safety, refresh=jnp.zeros((), dtype))
-        return y_new, acc, ks
+        _, _, error_const, _ = consts(dtype)
+        return y_new, acc, ks, error_const[k] * d
 
     def control(ratio, accept, ok, cache):
         # After an accepted step: the factor the order selection chose (1 while the

@@ -215,7 +215,7 @@ def _augment(stepper_of, G, G_ctrl, N):
         def tangents(s, z, cache, h, ks_star, S, dcache):
             def along(dz, dc, dth):
                 return jax.jvp(
-                    lambda z, c, th: diff_of(th)(s, z, c, h, ks_star),
+                    lambda z, c, th: diff_of(th)(s, z, c, h, ks_star)[:3],
                     (z, cache, theta),
                     (dz, dc, dth),
                 )[1]
@@ -256,13 +256,14 @@ def _augment(stepper_of, G, G_ctrl, N):
                 counts,
             )
 
-        def diff_step(s, Z, cache, h, ks_star):
+        def diff_step(s, Z, cache, h, ks_star, eps=None):
+            # (eps, the perturbation where the local error is made, and err: the state's.)
             z, S = split(Z)
             c, dc = split_cache(cache)
             ks_z = ks_star[:, :N]
-            z1, c_acc, ks = diff_of(theta)(s, z, c, h, ks_z)
+            z1, c_acc, ks, err = diff_of(theta)(s, z, c, h, ks_z, eps)
             dz1, dc_acc, dks = tangents(s, z, c, h, ks_z, S, dc)
-            return _join(z1, dz1), _join(c_acc, dc_acc), join_ks(ks, dks)
+            return _join(z1, dz1), _join(c_acc, dc_acc), join_ks(ks, dks), err
 
         return base._replace(init=init, step=step, diff_step=diff_step)
 

@@ -76,10 +76,13 @@ class Stepper(NamedTuple):
     beta2: float
     order: int  # exponent of the local error estimate (for the initial step)
     init_counts: tuple = (1, 0, 0)  # (fevals, jacobians, factorizations) spent by init
-    # ``diff_step(s, z, cache, h, ks) -> (z1, accept_cache, ks)``: the step as a function
-    # of ``z``, ``cache`` and the parameters ``rhs`` closes over, to differentiate with
-    # ``jax.vjp`` (the discrete adjoint); ``ks`` are the stage derivatives the step took
-    # (an implicit method linearises its stage equations there). None: ``step`` itself.
+    # ``diff_step(s, z, cache, h, ks, eps=None) -> (z1, accept_cache, ks, err)``: the step
+    # (and its error estimate) as a function of ``z``, ``cache`` and the parameters ``rhs``
+    # closes over, to differentiate with ``jax.vjp`` (the discrete adjoint); ``ks`` are
+    # the stage derivatives the step took (an implicit method linearises its stage
+    # equations there); ``eps`` (shaped like ``err``) is added where the local error is
+    # made (``z1`` of a one-step method, the corrector of a multistep one, so that the
+    # history sees it). None: ``step`` itself, ``eps`` added to ``z1``.
     diff_step: Any = None
     # Steps end on every output time (the output is the state there, not the continuous
     # extension's value): for a method whose continuous extension is of lower order than

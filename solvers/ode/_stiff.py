@@ -133,7 +133,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         err = h * (jnp.asarray(tab.b_error, dtype) @ ks[:, :n_ctrl])
         return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, 1)
 
-    def diff_step(s, z, cache, h, ks_star):
+    def diff_step(s, z, cache, h, ks_star, eps=None):
         # The derivative of the step the forward took: stage i's value U* (from the stage
         # derivatives ks_star) satisfies r(U) = U - base_i - hγ f(U, t_i) ≈ 0, so
         # dU = (I - hγ J(U*))⁻¹ (d base_i + hγ ∂f/∂θ dθ) (the implicit function theorem,
@@ -178,7 +178,10 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
 
         ks = _sharding.fori_loop(1, stages, stage, ks)
         z1 = z + h * (jnp.asarray(tab.b, dtype) @ ks)
-        return z1, (ks[-1],), ks
+        err = h * (jnp.asarray(tab.b_error, dtype) @ ks)
+        if eps is not None:  # (a perturbation where the local error is made)
+            z1 = z1 + eps
+        return z1, (ks[-1],), ks, err
 
     def restep(s, z, ks, h):
         # The first stage is the derivative at the start; the method is stiffly accurate,
