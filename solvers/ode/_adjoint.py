@@ -556,9 +556,11 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     explicit = stepper.diff_step is None
     estimate = on_failure != "ignore"
 
+    with_err = estimate or explicit  # (otherwise the step's error estimate is not used)
+
     def step_fn(z, cache, theta, eps, s, h, ks_star):
         z1, cache1, ks, err = _diff_step(stepper_of(theta))(s, z, cache, h, ks_star, eps)
-        out = z1, cache1, h * _small.matmul(dense, ks), err
+        out = z1, cache1, h * _small.matmul(dense, ks), err if with_err else None
         # shard_map: every output varies as the cotangents do (a cache entry computed
         # from constants alone, as BDF's are, is otherwise invariant, and its varying
         # cotangent is refused; it reaches no input: the cast's transpose is dropped).
@@ -589,8 +591,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         weights = _small.matmul((inside[:, None] * frac[:, None] ** powers[None, :]).T, gz)
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         zero_w = _sharding.zeros_like(weights)
+        zero_e = zero_z if with_err else None
         _, vjp = jax.vjp(
-            lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta, zero_z
+            lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
+            zero_z if estimate else None,
         )
         # Row 0: the cotangent. Row 1 (unless on_failure='ignore': nothing would report
         # it): the gradient's error estimate, the derivative of Σ λ_ε·e_n (the local
@@ -602,10 +606,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         # BDF, so that its history sees it too). Row 2 (explicit methods): the adjoint's
         # own local error estimate, the cotangent through the embedded pair's error
         # estimate alone.
-        rows = [(lam_z1, lam_cache, weights, zero_z)]
+        rows = [(lam_z1, lam_cache, weights, zero_e)]
         if estimate:
             _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
-            (lam_eps,) = vjp_eps((lam_z1, lam_cache, weights, zero_z))
+            (lam_eps,) = vjp_eps((lam_z1, lam_cache, weights, zero_e))
             rows.append((mu_z, mu_cache, zero_w, lam_eps))
         if explicit:
             rows.append((zero_z, zero_c, zero_w, lam_z1))
@@ -632,7 +636,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
                     jax.tree.map(lambda a, b: jnp.stack([a, b]), (lam_z1, lam_cache), mu_in)
                 )
                 # Outputs inside the step still come from its own continuous extension.
-                dzc, dcc, dthc, _ = vjp((zero_z, zero_c, weights, zero_z))
+                dzc, dcc, dthc, _ = vjp((zero_z, zero_c, weights, zero_e))
                 dth2 = jax.tree.map(lambda v: v[0], dth2)
                 return (dz2[0] + dzc, dcc, jax.tree.map(jnp.add, dth2, dthc), dz2[1],
                         jax.tree.map(jnp.zeros_like, mu_cache), jnp.zeros_like(derr))
