@@ -320,8 +320,10 @@ def _adjoint_preconditioner(factors):
     (:func:`implicit.custom_root`'s ``preconditioner``). Where that factorisation is not
     usable (a zero pivot or a non-finite entry: ``J`` singular at that iterate), the
     identity."""
-    lu = factors[0]
-    usable = jnp.all(jnp.isfinite(lu)) & jnp.all(jnp.diagonal(lu) != 0)
+    lu, permutation = factors
+    usable = jnp.all(jnp.isfinite(lu))
+    if permutation is not None:  # (LU factors; else the inverse, not finite if J is singular)
+        usable = usable & jnp.all(jnp.diagonal(lu) != 0)
     return jax.tree_util.Partial(_apply_preconditioner, factors, usable)
 
 
@@ -382,9 +384,10 @@ class _Linear(NamedTuple):
         return _gmres(jax.linearize(self.fn, factors)[1], v, self.eta_min)
 
     def placeholder(self, x):
-        if self.jacobian == "dense":
+        if self.jacobian == "dense":  # zeros shaped as _lu.factor's factors
             n = x.size
-            return jnp.zeros((n, n), x.dtype), jnp.zeros((n,), jnp.int32)
+            shapes = jax.eval_shape(_lu.factor, jax.ShapeDtypeStruct((n, n), x.dtype))
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         return x
 
 

@@ -1,5 +1,6 @@
 """The small dense kernels of the stiff methods: ``implicit._lu``'s iteration-matrix
-factors (an explicit inverse up to ``INVERSE_MAX`` unknowns, LU past it) and
+factors (an explicit inverse up to ``INVERSE_MAX`` unknowns, LU past it; by Gauss–Jordan
+elimination up to ``GAUSS_JORDAN_MAX``) and
 ``solvers.ode._small.matmul`` (a fused product below ``FUSED_MAX``, a dot past it).
 
 Expected values come from NumPy (float64 solves and products), never from the code under
@@ -41,6 +42,76 @@ def test_iteration_factor_needs_a_pivot(x64):
     b = np.array([1.0, 2.0, 3.0])
     x = _lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)), jnp.asarray(b))
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-13)
+
+
+def _needs_pivots(n, seed):
+    """A well-conditioned matrix whose unpivoted elimination breaks down: a zero leading
+    entry, and a tiny first pivot after the leading rows are swapped back."""
+    q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((n, n)))
+    a = np.roll(q, 1, axis=0)
+    a[0, 0] = 0.0 if n > 1 else 1.0
+    return a
+
+
+@pytest.mark.parametrize("n", range(1, _lu.GAUSS_JORDAN_MAX + 1))
+def test_gauss_jordan_inverse_like_numpy(x64, n):
+    """_lu.inverse (unrolled Gauss–Jordan) against NumPy's inverse, on matrices that need
+    their pivots (an unpivoted elimination divides by 0 or by 1e-20)."""
+    mats = [_matrix(n, n), _needs_pivots(n, n), _matrix(n, n + 1, dominance=0.0)]
+    if n == 2:
+        mats.append(np.array([[1e-20, 1.0], [1.0, 1.0]]))
+    for a in mats:
+        inv = np.asarray(_lu.inverse(jnp.asarray(a)))
+        ref = np.linalg.inv(a)
+        tol = 1e-14 * np.linalg.cond(a) * np.max(np.abs(ref))
+        np.testing.assert_allclose(inv, ref, rtol=0, atol=tol)
+
+
+def test_gauss_jordan_singular_is_not_finite(x64):
+    # As an LU's solves: a matrix whose elimination meets an exactly zero pivot gives
+    # non-finite entries, never a number.
+    for a in (np.zeros((3, 3)), np.array([[1.0, 2.0], [2.0, 4.0]]),
+              np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 1.0, 1.0]])):
+        assert not np.all(np.isfinite(np.asarray(_lu.inverse(jnp.asarray(a)))))
+
+
+def test_gauss_jordan_under_vmap_and_jvp(x64):
+    mats = np.stack([_needs_pivots(3, s) + 0.1 * s * np.eye(3) for s in range(4)])
+    inv = np.asarray(jax.vmap(_lu.inverse)(jnp.asarray(mats)))
+    np.testing.assert_allclose(inv, np.linalg.inv(mats), atol=1e-13)
+    # d(A⁻¹) = -A⁻¹ dA A⁻¹ (the closed form).
+    a, da = mats[1], np.random.default_rng(5).standard_normal((3, 3))
+    _, tangent = jax.jvp(_lu.inverse, (jnp.asarray(a),), (jnp.asarray(da),))
+    ai = np.linalg.inv(a)
+    np.testing.assert_allclose(np.asarray(tangent), -ai @ da @ ai, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, _lu.GAUSS_JORDAN_MAX, _lu.GAUSS_JORDAN_MAX + 1])
+def test_factor_solve_both_forms(x64, n):
+    """_lu.factor is the inverse up to GAUSS_JORDAN_MAX unknowns, the LU past it; solve
+    and solve_transpose agree with NumPy either way, on a matrix that needs pivots."""
+    a = _needs_pivots(n, 3)
+    b = np.random.default_rng(4).standard_normal(n)
+    factors = _lu.factor(jnp.asarray(a))
+    assert (factors[1] is None) == (n <= _lu.GAUSS_JORDAN_MAX)
+    np.testing.assert_allclose(np.asarray(_lu.solve(factors, jnp.asarray(b))),
+                               np.linalg.solve(a, b), atol=1e-13)
+    np.testing.assert_allclose(np.asarray(_lu.solve_transpose(factors, jnp.asarray(b))),
+                               np.linalg.solve(a.T, b), atol=1e-13)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(n=st.integers(1, _lu.GAUSS_JORDAN_MAX), seed=st.integers(0, 2**31 - 1))
+def test_gauss_jordan_residual_property(n, seed):
+    # Any (not diagonally dominant) Gaussian matrix: the solve's residual is at rounding
+    # level relative to |a| |x| (partial pivoting).
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        a = rng.standard_normal((n, n))
+        b = rng.standard_normal(n)
+        x = np.asarray(_lu.solve(_lu.factor(jnp.asarray(a)), jnp.asarray(b)))
+    assert np.max(np.abs(a @ x - b)) <= 1e-13 * np.linalg.cond(a) * (
+        1 + np.max(np.abs(a)) * np.max(np.abs(x)))
 
 
 @pytest.mark.parametrize("n", [1, 3, 17])

@@ -9,7 +9,8 @@ through the last ``order + 1`` solution points, at a uniform spacing ``h``:
   ``d - c f(t + h, y_pred + d) + ψ = 0`` for ``d`` (``c = h / α_k``,
   ``ψ = Σ_{1≤j≤k} γ_j D_j / α_k``) by simplified Newton iterations (at most
   ``NEWTON_MAXITER``, SciPy's convergence-rate test) with the iteration matrix
-  ``I - cJ``, factored (its inverse up to 64 unknowns: ``implicit._lu.iteration_factor``);
+  ``I - cJ``, factored (its inverse up to 64 unknowns, by Gauss–Jordan up to 4:
+  ``implicit._lu.iteration_factor``);
   ``y_new = y_pred + d`` and the local error estimate is ``error_const[k] · d``;
 - the Jacobian is kept across steps and recomputed (at the predictor) only when Newton
   fails with a Jacobian from an earlier step; the factors are recomputed when ``c`` changes
