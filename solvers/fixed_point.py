@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from implicit import _checks, _sharding
+from implicit import _checks, _lu, _sharding
 from solvers import _runner
 
 __all__ = ["fixed_point"]
@@ -208,45 +208,48 @@ def _iterate_method(fn, damping, regularization, history_size):
 def _anderson_method(fn, damping, regularization, history_size):
     """Anderson acceleration (type II) over the last ``history_size`` iterates.
 
-    State ``(x, error, scale, xs, gs, k)``: the next iterate, the error and scale of the
-    last evaluated one (as in :func:`_iterate_method`), the ring buffers of past iterates
-    and residuals ``g = f(x) - x``, and the number of evaluations. The first step, with
-    one residual in the history, is a damped plain step.
+    State ``(x, error, scale, ys, gs, gram, k)``: the next iterate, the error and scale of
+    the last evaluated one (as in :func:`_iterate_method`), the ring buffers of past
+    residuals ``g = f(x) - x`` and of the damped plain steps from those iterates,
+    ``y = x + damping g`` (the next iterate is their combination ``Σ α_i y_i``, the
+    weights ``α`` minimising ``|Σ α_i g_i|`` with ``Σ α_i = 1``), the residuals' Gram
+    matrix ``gs gsᵀ`` and the number of evaluations. A step adds one residual, so only its
+    row and column of the Gram matrix are new: one product with the history (``m n``)
+    instead of the whole matrix (``m² n``). The first step, with one residual in the
+    history, is a damped plain step.
     """
 
     def init(x0):
         flat = ravel_pytree(x0)[0]
         # Broadcast from the iterate: on an Explicit mesh the buffers keep its sharding.
         zeros = jnp.broadcast_to(jnp.zeros_like(flat), (history_size, flat.size))
-        return (*_init(x0), zeros, zeros, jnp.int32(0))
+        gram = jnp.zeros((history_size, history_size), flat.dtype)
+        return (*_init(x0), zeros, zeros, gram, jnp.int32(0))
 
     def step(state):
-        x, _, _, xs, gs, k = state
+        x, _, _, ys, gs, gram, k = state
         fx = fn(x)
         x_flat, unravel = ravel_pytree(x)
         g = ravel_pytree(fx)[0] - x_flat
-        m = xs.shape[0]
+        m = ys.shape[0]
         slot = k % m
-        xs = xs.at[slot].set(x_flat)
+        ys = ys.at[slot].set(x_flat + damping * g)
         gs = gs.at[slot].set(g)
+        row = jnp.matmul(gs, g, out_sharding=_sharding.replicated(gs))  # Explicit meshes
+        gram = gram.at[slot].set(row).at[:, slot].set(row)
         valid = jnp.arange(m) <= k
-        gram = jnp.matmul(gs, gs.T, out_sharding=_sharding.replicated(gs))  # Explicit meshes
-        gram = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
+        a = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
         # Ridge relative to the residuals' scale (an absolute ridge stalls once the
         # residuals are small); unused slots get a unit diagonal and a zero weight.
-        ridge = regularization * jnp.max(jnp.diag(gram))
-        gram = gram + jnp.diag(jnp.where(valid, ridge, 1.0))
-        rhs = valid.astype(gram.dtype)
-        if _sharding.replicated(gram) is None:
-            alpha = jnp.linalg.solve(gram, rhs)
-        else:
-            # On an Explicit mesh a vmapped LU's pivoting gather cannot be sharded
-            # (JAX 0.10); the ridged Gram matrix is positive definite: Cholesky, no pivots.
-            alpha = jax.scipy.linalg.solve(gram, rhs, assume_a="pos")
+        ridge = regularization * jnp.max(jnp.diag(a))
+        a = a + jnp.diag(jnp.where(valid, ridge, 1.0))
+        # (positive definite with the ridge: no pivots, which on an Explicit mesh a
+        # vmapped LU's gather could not shard either)
+        alpha = _lu.solve_positive_definite(a, valid.astype(a.dtype))
         alpha = alpha / jnp.sum(alpha)
-        x_new = alpha @ (xs + damping * gs)
-        # A degenerate least-squares system falls back to a damped plain step.
-        x_new = jnp.where(jnp.all(jnp.isfinite(x_new)), x_new, x_flat + damping * g)
-        return (unravel(x_new), *_runner.max_norms(g, fx), xs, gs, k + 1)
+        # A degenerate least-squares system (all residuals zero: no ridge) falls back to
+        # a damped plain step.
+        x_new = jnp.where(jnp.all(jnp.isfinite(alpha)), alpha @ ys, ys[slot])
+        return (unravel(x_new), *_runner.max_norms(g, fx), ys, gs, gram, k + 1)
 
     return _runner.Method(init=init, step=step, terminate=_progress, warmup=True)

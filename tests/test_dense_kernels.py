@@ -114,6 +114,28 @@ def test_gauss_jordan_residual_property(n, seed):
         1 + np.max(np.abs(a)) * np.max(np.abs(x)))
 
 
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(n=st.integers(1, 8), seed=st.integers(0, 2**31 - 1), rank=st.integers(1, 8))
+def test_solve_positive_definite_property(n, seed, rank):
+    # Anderson's systems: a Gram matrix G Gᵀ (rank-deficient when the history is longer
+    # than the residuals are independent) plus a small relative ridge, positive definite;
+    # its solve (unpivoted elimination) against NumPy's, to the conditioning.
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(seed)
+        g = rng.standard_normal((n, min(rank, n)))
+        a = g @ g.T + 1e-6 * np.max(np.diag(g @ g.T)) * np.eye(n)
+        b = rng.standard_normal(n)
+        x = np.asarray(_lu.solve_positive_definite(jnp.asarray(a), jnp.asarray(b)))
+    ref = np.linalg.solve(a, b)
+    assert np.max(np.abs(x - ref)) <= 1e-14 * np.linalg.cond(a) * np.max(np.abs(ref))
+
+
+def test_solve_positive_definite_zero_pivot_is_not_finite(x64):
+    a = np.array([[1.0, 2.0], [2.0, 4.0]])  # G Gᵀ of rank 1, no ridge
+    x = np.asarray(_lu.solve_positive_definite(jnp.asarray(a), jnp.ones(2)))
+    assert not np.all(np.isfinite(x))
+
+
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_solve_transpose_like_numpy(x64, n):
     """_lu.solve_transpose: aᵀ x = b from a's LU, against NumPy; the second matrix needs

@@ -215,11 +215,14 @@ def _double(x):
     return 2 * x + 1
 
 
-@pytest.mark.parametrize("method", ["iterate", "anderson"])
+# (Anderson on 2x + 1 is not here: a secant method on a linear map, it finds the fixed
+# point x = -1 that plain iteration runs away from; see the next test.)
 @pytest.mark.parametrize(
-    "f, x0",
-    [(_double, 0.0), (jnp.log, 0.0), (lambda x: 1 / x, 0.0), (jnp.exp, 0.0)],
-    ids=["2x+1", "log", "1/x", "exp"],
+    "f, x0, method",
+    [(_double, 0.0, "iterate")]
+    + [(f, 0.0, m) for f in (jnp.log, lambda x: 1 / x, jnp.exp) for m in ("iterate", "anderson")],
+    ids=["2x+1-iterate", "log-iterate", "log-anderson", "1/x-iterate", "1/x-anderson",
+         "exp-iterate", "exp-anderson"],
 )
 def test_divergence_to_inf_is_never_converged(f, x0, method):
     x, info = solvers.fixed_point(f, x0, method=method, on_failure="ignore", full_output=True)
@@ -232,6 +235,20 @@ def test_divergence_to_inf_is_never_converged(f, x0, method):
 
 def _affine(x, a):
     return a * x + 1
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("a", [1.5, 2.0, 3.0, 5.0, -4.0])
+def test_anderson_finds_repelling_fixed_points_of_linear_maps(a, x64):
+    # x = a x + 1 has the fixed point 1 / (1 - a), repelling for |a| > 1: plain iteration
+    # does not converge, Anderson (a secant method) does, in a few steps.
+    with jax.enable_x64(x64):
+        x, info = solvers.fixed_point(_affine, 0.0, a, method="anderson", full_output=True)
+        assert bool(info.converged) and int(info.num_steps) <= 10
+        # (to 10x the default rtol: 1e-5 in float32, 1e-8 in float64)
+        np.testing.assert_allclose(float(x), 1 / (1 - a), rtol=1e-7 if x64 else 1e-4)
+        _, info = solvers.fixed_point(_affine, 0.0, a, on_failure="ignore", full_output=True)
+        assert not bool(info.converged)
 
 
 def test_diverging_batch_element_is_nan_under_vmap():
