@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from implicit import _sharding
 
 __all__ = ["factor", "solve", "solve_transpose", "iteration_factor", "iteration_solve",
-           "inverse", "solve_positive_definite", "INVERSE_MAX", "GAUSS_JORDAN_MAX"]
+           "factor_solve", "with_permutation", "inverse", "solve_positive_definite",
+           "INVERSE_MAX", "GAUSS_JORDAN_MAX"]
 
 #: The largest iteration matrix inverted by :func:`iteration_factor` (larger: LU).
 INVERSE_MAX = 64
@@ -86,6 +87,35 @@ def factor(a):
         return inverse(a), None
     lu, _, permutation = jax.lax.linalg.lu(a)
     return lu, permutation
+
+
+def factor_solve(a, b):
+    """``(a⁻¹ b, factors)``: one solve, and the factors of ``a`` for more
+    (:func:`with_permutation` makes them :func:`factor`'s). The LU is that of the augmented
+    ``[a | b]``: LAPACK applies its row interchanges to ``b`` as it eliminates, so that
+    column comes back as ``L⁻¹ P b`` and one triangular solve ends the solve, without the
+    permutation, which on CPU is formed from the pivots by a loop of ``n`` small steps
+    (4.6 of 16.8 µs per solve at n = 64 in a ``while_loop``; the augmented solve: 11.8).
+    ``factors``: ``(lu, pivots)``; up to :data:`GAUSS_JORDAN_MAX` unknowns
+    ``(a⁻¹, None)``."""
+    a = _sharding.gathered(a)
+    n = a.shape[-1]
+    if n <= GAUSS_JORDAN_MAX:
+        factors = inverse(a), None
+        return solve(factors, b), factors
+    augmented = jnp.concatenate([a, _sharding.gathered(b)[:, None]], axis=-1)
+    lu, pivots, _ = jax.lax.linalg.lu(augmented)
+    x = jax.lax.linalg.triangular_solve(lu[:, :n], lu[:, n:], left_side=True, lower=False)
+    return _sharding.split_like(x[:, 0], b), (lu[:, :n], pivots)
+
+
+def with_permutation(factors):
+    """:func:`factor_solve`'s ``(lu, pivots)`` as :func:`factor`'s ``(lu, permutation)``
+    (the inverse form passes through)."""
+    lu, pivots = factors
+    if pivots is None:
+        return factors
+    return lu, jax.lax.linalg.lu_pivots_to_permutation(pivots, lu.shape[-1])
 
 
 def solve(factors, b):

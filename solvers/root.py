@@ -307,7 +307,8 @@ def _solve(
         )
         if not preconditioner:
             return unravel(state.x), info
-        factors = state.quasi if method == "newton" else state.quasi.factors
+        factors = (_lu.with_permutation(state.quasi) if method == "newton"
+                   else state.quasi.factors)
         return unravel(state.x), info, _adjoint_preconditioner(factors)
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
@@ -364,19 +365,28 @@ class _Linear(NamedTuple):
     eta_min: Any  # tightest GMRES forcing term
     structure: Any = None  # the solvers._sparse.Structure of jacobian="sparse"
 
-    def value_and_factor(self, x):
-        """``F(x)`` and ``J(x)`` in the form :meth:`apply_inverse` takes (LU factors, or
-        the point), from one forward-mode pass where ``J`` is dense."""
+    def newton_step(self, x):
+        """``(F(x), J(x)⁻¹ F(x), factors)``: ``J(x)`` factored as :meth:`reusable` takes it
+        (dense: :func:`implicit._lu.factor_solve`'s, from one forward-mode pass; sparse: the
+        block elimination; matrix-free: the point)."""
         if self.jacobian == "dense":
             jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(self.fn(v)), has_aux=True)(x)
-            return fx, _lu.factor(jac)
+            step, factors = _lu.factor_solve(jac, fx)
+            return fx, step, factors
         if self.jacobian == "sparse":
             s = self.structure
-            return self.fn(x), s.factor(s.jacobian(self.fn, x))
-        return self.fn(x), x
+            fx, factors = self.fn(x), s.factor(s.jacobian(self.fn, x))
+            return fx, s.solve(factors, fx), factors
+        fx = self.fn(x)
+        return fx, self.apply_inverse(x, fx), x
+
+    def reusable(self, factors):
+        """:meth:`newton_step`'s factors in the form :meth:`apply_inverse` takes (dense:
+        the LU's permutation formed, once, where more solves follow)."""
+        return _lu.with_permutation(factors) if self.jacobian == "dense" else factors
 
     def apply_inverse(self, factors, v):
-        """``J⁻¹ v`` for the Jacobian :meth:`factor` returned."""
+        """``J⁻¹ v`` for the Jacobian :meth:`reusable` returned."""
         if self.jacobian == "dense":
             return _lu.solve(factors, v)
         if self.jacobian == "sparse":
@@ -384,7 +394,8 @@ class _Linear(NamedTuple):
         return _gmres(jax.linearize(self.fn, factors)[1], v, self.eta_min)
 
     def placeholder(self, x):
-        if self.jacobian == "dense":  # zeros shaped as _lu.factor's factors
+        if self.jacobian == "dense":  # zeros shaped as _lu.factor's factors (and as
+            # factor_solve's: pivots and permutation are both (n,) int32)
             n = x.size
             shapes = jax.eval_shape(_lu.factor, jax.ShapeDtypeStruct((n, n), x.dtype))
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
@@ -398,9 +409,9 @@ def _newton(ops, history_size):
     def direction(state):
         x = state.x
         if ops.jacobian in ("dense", "sparse"):  # a factored Jacobian
-            fx, factors = ops.value_and_factor(x)
-            kept = factors if ops.jacobian == "dense" else None
-            return fx, -ops.apply_inverse(factors, fx), jnp.bool_(True), state.eta, kept
+            fx, step, factors = ops.newton_step(x)
+            kept = factors if ops.jacobian == "dense" else None  # (as newton_step's)
+            return fx, -step, jnp.bool_(True), state.eta, kept
         fx, matvec = jax.linearize(ops.fn, x)
         # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
         eta_prev, fnorm_prev = state.eta
@@ -437,9 +448,9 @@ def _quasi_direction(ops):
         q = state.quasi
 
         def refreshed(_):
-            fx, factors = ops.value_and_factor(state.x)
-            d = -ops.apply_inverse(factors, fx)
-            return fx, d, factors, jnp.zeros_like(q.s), jnp.zeros_like(q.u), jnp.int32(0)
+            fx, step, factors = ops.newton_step(state.x)
+            return (fx, -step, ops.reusable(factors), jnp.zeros_like(q.s),
+                    jnp.zeros_like(q.u), jnp.int32(0))
 
         def kept(_):
             return state.fx, q.d, q.factors, q.s, q.u, q.k
@@ -626,7 +637,7 @@ def _dogleg(fn, project):
     def evaluate(y):
         jac, fy = jax.jacfwd(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(y)
         jac = _sharding.gathered(jac)  # (whole, as its LU needs it, on an Explicit mesh)
-        newton = -_lu.solve(_lu.factor(jac), fy)
+        newton = -_lu.factor_solve(jac, fy)[0]
         return fy, jac, jnp.where(_runner.max_norm(fy) == 0, 0.0, newton)
 
     def init(x0):

@@ -100,6 +100,26 @@ def test_factor_solve_both_forms(x64, n):
                                np.linalg.solve(a.T, b), atol=1e-13)
 
 
+@pytest.mark.parametrize("n", [2, 5, 17, 64])
+def test_factor_solve_like_numpy(x64, n):
+    """_lu.factor_solve (the LU of [a | b]: no permutation formed) against NumPy, on a
+    matrix that needs its pivots; its factors, with the permutation formed
+    (with_permutation), solve and transpose-solve other right-hand sides."""
+    a = _needs_pivots(n, n)
+    b, c = np.random.default_rng(n).standard_normal((2, n))
+    x, factors = _lu.factor_solve(jnp.asarray(a), jnp.asarray(b))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), atol=1e-12)
+    factors = _lu.with_permutation(factors)
+    np.testing.assert_allclose(np.asarray(_lu.solve(factors, jnp.asarray(c))),
+                               np.linalg.solve(a, c), atol=1e-12)
+    np.testing.assert_allclose(np.asarray(_lu.solve_transpose(factors, jnp.asarray(c))),
+                               np.linalg.solve(a.T, c), atol=1e-12)
+    # Batched (vmap), as under a vmapped root.
+    bs = np.random.default_rng(n + 1).standard_normal((3, n))
+    xs = jax.vmap(lambda v: _lu.factor_solve(jnp.asarray(a), v)[0])(jnp.asarray(bs))
+    np.testing.assert_allclose(np.asarray(xs), np.linalg.solve(a, bs.T).T, atol=1e-12)
+
+
 @settings(max_examples=20, deadline=None, derandomize=True, database=None)
 @given(n=st.integers(1, _lu.GAUSS_JORDAN_MAX), seed=st.integers(0, 2**31 - 1))
 def test_gauss_jordan_residual_property(n, seed):
