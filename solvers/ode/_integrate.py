@@ -476,22 +476,24 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
     and every other checkpoint is dropped, when they are full: memory stays ``C`` states)."""
     bufs, spacing = ck
     hit = accept & (ctrl.num_accepted % spacing == 0)
-    full = hit & (ctrl.num_accepted // spacing >= C)
 
     def thin(bufs):
         return jax.tree.map(
             lambda b: jnp.concatenate([b[0::2], jnp.zeros_like(b[: C - (C + 1) // 2])]), bufs
         )
 
-    bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
-    spacing = jnp.where(full, 2 * spacing, spacing)
-    slot = jnp.minimum(ctrl.num_accepted // spacing, C - 1)
-    bufs = jax.tree.map(
-        lambda buf, val: buf.at[slot].set(jnp.where(hit, val, buf[slot])),
-        bufs,
-        (ctrl.pack(), z, cache),
-    )
-    return bufs, spacing
+    def save(bufs, spacing):
+        full = ctrl.num_accepted // spacing >= C
+        bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
+        spacing = jnp.where(full, 2 * spacing, spacing)
+        slot = jnp.minimum(ctrl.num_accepted // spacing, C - 1)
+        bufs = jax.tree.map(lambda buf, val: buf.at[slot].set(val), bufs,
+                            (ctrl.pack(), z, cache))
+        return bufs, spacing
+
+    # Taken once every `spacing` accepted steps: one conditional per step instead of a
+    # select and a write per leaf of the carry.
+    return _sharding.cond_once(hit, save, lambda *ck: ck, bufs, spacing, explicit=False)
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
