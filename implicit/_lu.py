@@ -48,8 +48,8 @@ GAUSS_JORDAN_MAX = 4
 def inverse(a):
     """The inverse of the small square matrix ``a`` by Gauss–Jordan elimination with
     partial pivoting, unrolled over its columns (elementwise operations and selects: no
-    LAPACK call, no scatter). A singular ``a`` gives non-finite entries, as its LU's solves
-    do."""
+    LAPACK call, no scatter). An elimination that meets an exactly zero pivot gives
+    non-finite entries, as an LU's solves do (a nearly singular ``a``: huge ones)."""
     n = a.shape[-1]
     m = jnp.concatenate([a, jnp.eye(n, dtype=a.dtype)], axis=-1)  # [a | I] -> [I | a⁻¹]
     rows = jnp.arange(n)[:, None]
