@@ -45,38 +45,41 @@ INVERSE_MAX = 64
 GAUSS_JORDAN_MAX = 4
 
 
-def inverse(a):
-    """The inverse of the small square matrix ``a`` by Gauss–Jordan elimination with
-    partial pivoting, unrolled over its columns (elementwise operations and selects: no
-    LAPACK call, no scatter). An elimination that meets an exactly zero pivot gives
-    non-finite entries, as an LU's solves do (a nearly singular ``a``: huge ones)."""
-    n = a.shape[-1]
-    m = jnp.concatenate([a, jnp.eye(n, dtype=a.dtype)], axis=-1)  # [a | I] -> [I | a⁻¹]
+def _gauss_jordan(m, pivoting):
+    """``[a | r] -> [I | a⁻¹ r]`` for ``m = [a | r]`` (``a`` n x n), unrolled over the
+    columns with elementwise operations and selects (no LAPACK call, no scatter). With
+    ``pivoting``, each column's largest entry on or below the diagonal is swapped into
+    place first. An exactly zero pivot gives non-finite entries, as an LU's solves do."""
+    n = m.shape[0]
     rows = jnp.arange(n)[:, None]
     for j in range(n):
-        # The pivot: the largest |m[i, j]| with i >= j, swapped into row j.
-        p = jnp.argmax(jnp.where(rows[:, 0] >= j, jnp.abs(m[:, j]), -1.0))
-        row_p = jnp.sum(jnp.where(rows == p, m, 0.0), axis=0)
-        m = jnp.where(rows == p, m[j], m)
-        pivot_row = row_p / row_p[j]
+        if pivoting:
+            p = jnp.argmax(jnp.where(rows[:, 0] >= j, jnp.abs(m[:, j]), -1.0))
+            row_j = jnp.sum(jnp.where(rows == p, m, 0.0), axis=0)
+            m = jnp.where(rows == p, m[j], m)
+        else:
+            row_j = m[j]
+        pivot_row = row_j / row_j[j]
         m = jnp.where(rows == j, pivot_row, m - m[:, j : j + 1] * pivot_row)
-    return m[:, n:]
+    return m
+
+
+def inverse(a):
+    """The inverse of the small square matrix ``a`` by Gauss–Jordan elimination with
+    partial pivoting (:func:`_gauss_jordan`; a nearly singular ``a``: huge entries)."""
+    n = a.shape[-1]
+    return _gauss_jordan(jnp.concatenate([a, jnp.eye(n, dtype=a.dtype)], axis=-1),
+                         pivoting=True)[:, n:]
 
 
 def solve_positive_definite(a, b):
     """``a⁻¹ b`` for a small symmetric positive definite ``a`` (Anderson acceleration's
-    ridged Gram matrix): Gauss–Jordan elimination without pivoting, unrolled over the
-    columns, elementwise operations only (no reduction, no LAPACK call: at n = 5 LAPACK's
-    LU, its pivots' permutation and two triangular solves are about 50 kernels in a
-    ``while_loop`` body). Without pivoting the elimination is stable for positive definite
-    matrices. A zero pivot (a singular ``a``) gives non-finite values."""
+    ridged Gram matrix): Gauss–Jordan elimination without pivoting, which is stable for
+    positive definite matrices (no reduction at all: at n = 5 LAPACK's LU, its pivots'
+    permutation and two triangular solves are about 50 kernels in a ``while_loop``
+    body). A zero pivot (a singular ``a``) gives non-finite values."""
     n = a.shape[-1]
-    m = jnp.concatenate([a, b[:, None]], axis=-1)
-    rows = jnp.arange(n)[:, None]
-    for j in range(n):
-        pivot_row = m[j] / m[j, j]
-        m = jnp.where(rows == j, pivot_row, m - m[:, j : j + 1] * pivot_row)
-    return m[:, n]
+    return _gauss_jordan(jnp.concatenate([a, b[:, None]], axis=-1), pivoting=False)[:, n]
 
 
 def factor(a):
@@ -151,15 +154,14 @@ def iteration_factor(a):
     """The factors of an iteration matrix ``a`` for :func:`iteration_solve`, every leaf
     floating (a multistep cache is differentiated through): ``(a⁻¹,)`` for up to
     :data:`INVERSE_MAX` unknowns, else the LU factors and the permutation (as floats)."""
-    if a.shape[-1] <= GAUSS_JORDAN_MAX:
-        return (inverse(_sharding.gathered(a)),)
+    lu, permutation = factor(a)
+    if permutation is None:  # (already the inverse: Gauss–Jordan)
+        return (lu,)
     if a.shape[-1] <= INVERSE_MAX:
-        lu, permutation = factor(a)
         eye = jnp.eye(a.shape[-1], dtype=lu.dtype)[permutation]
         y = jax.lax.linalg.triangular_solve(lu, eye, left_side=True, lower=True,
                                             unit_diagonal=True)
         return (jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False),)
-    lu, permutation = factor(a)
     return lu, permutation.astype(lu.dtype)
 
 

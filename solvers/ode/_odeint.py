@@ -675,15 +675,11 @@ def _why(status, max_steps, solver, *, backward=False, event=False):
             "use the default adjoint='discrete', or tighten adjoint_rtol/adjoint_atol",
         )
     if status == _status.GRADIENT_ERROR:
-        return (
-            "the gradient's error estimate is over "
-            f"{100 * _adjoint.GRADIENT_LIMIT:g}% of the gradient (the default adjoint "
-            "differentiates the steps as taken, with their sizes held fixed; here the "
-            "solution's local errors move with the inputs enough to change the gradient: "
-            "fast transitions, as in relaxation oscillations, moving across the step grid)",
-            "pass adjoint='forward_adaptive' (it differentiates the step sizes too; its cost "
-            "grows with the number of inputs), or tighten rtol/atol",
-        )
+        why, _ = _status.explain(status)
+        why += (f": over {100 * _adjoint.GRADIENT_LIMIT:g}% (the default adjoint; fast "
+                "transitions, as in relaxation oscillations, moving across the step grid)")
+        return why, ("pass adjoint='forward_adaptive' (it differentiates the step sizes too; "
+                     "its cost grows with the number of inputs), or tighten rtol/atol")
     tols = "adjoint_rtol/adjoint_atol" if backward else "rtol/atol"
     if status == _status.MAX_STEPS:
         why, _ = _status.explain(status, max_steps=max_steps)
