@@ -346,22 +346,17 @@ def fori_loop(lower, upper, body, init):
 
 
 def cond(pred, true_fun, false_fun, *operands):
-    """``jax.lax.cond`` whose branches' outputs vary alike (one branch may compute from
-    varying values what the other passes through unchanged)."""
+    """``jax.lax.cond(pred, true_fun, false_fun, *operands)`` (differentiable); inside
+    ``shard_map`` both branches are evaluated and their results selected: there JAX 0.10
+    turns a ``vmap``ped ``cond`` with a batched predicate into a select after casting
+    every operand to vary as the predicate does, which a branch traced with invariant
+    operands refuses where it casts one to varying itself ("pvary is a
+    invariant->variant collective"; :func:`cond_once` is the loop form, which is not
+    differentiable in reverse mode)."""
     if not context_manual_axes():
         return jax.lax.cond(pred, true_fun, false_fun, *operands)
-    outs = (jax.eval_shape(true_fun, *operands), jax.eval_shape(false_fun, *operands))
-    axes = set(_union(pred))
-    for leaf in jax.tree.leaves(outs):
-        kind = getattr(leaf, "manual_axis_type", None)
-        if kind is not None:
-            axes |= set(kind.varying)
-    axes = tuple(sorted(axes))
-
-    def typed(fun):
-        return lambda *ops: jax.tree.map(lambda o: vary(o, axes), fun(*ops))
-
-    return jax.lax.cond(pred, typed(true_fun), typed(false_fun), *operands)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands),
+                        false_fun(*operands))
 
 
 def cond_once(pred, true_fun, false_fun, *operands, explicit=True):

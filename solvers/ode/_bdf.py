@@ -216,7 +216,10 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         alpha, gamma, _, _ = consts(dtype)
         k = cache.order.astype(jnp.int32)
         changed = h != cache.h
-        D = jnp.where(changed, _rescale(cache.D, k, h / cache.h), cache.D)
+        # (conditionals, here and for the order selection, not selects of both values:
+        # the step size changes once in k + 1 steps or so; 19% of the Robertson solve)
+        D = _sharding.cond(changed, lambda D: _rescale(D, k, h / cache.h), lambda D: D,
+                           cache.D)
         n_equal = jnp.where(changed, 0.0, cache.n_equal).astype(dtype)
         rows = jnp.arange(R)
         y_pred = jnp.sum(jnp.where((rows <= k)[:, None], D, 0.0), axis=0)
@@ -235,22 +238,30 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         rc = _small.matmul(jnp.asarray(np.triu(np.ones((R, R))), dtype),
                      jnp.where(rows <= k + 1, Dp, 0.0))
         D_new = jnp.where(rows <= k, rc, Dp)
-        scale = atol + rtol * jnp.maximum(jnp.abs(z[:n]), jnp.abs(y_new[:n]))
-        err_norm = rms(error_const[k] * d[:n], scale)
-        err_m = jnp.where(k > 1, rms(error_const[k - 1] * D_new[k, :n], scale), jnp.inf)
-        kp = jnp.minimum(k + 1, MAX_ORDER)
-        err_p = jnp.where(k < MAX_ORDER, rms(error_const[kp] * D_new[k + 2, :n], scale),
-                          jnp.inf)
-        norms = jnp.stack([err_m, err_norm, err_p])
-        expo = -1.0 / (k + jnp.arange(3)).astype(dtype)
-        # (a zero error estimate: an infinite factor, and a zero derivative, not NaN)
-        positive = norms > 0
-        factors = jnp.where(positive, jnp.where(positive, norms, 1.0) ** expo, jnp.inf)
-        factors = jnp.where(jnp.isnan(norms), 0.0, factors)
+
+        def selection(z, y_new, d, D_new, safety):
+            scale = atol + rtol * jnp.maximum(jnp.abs(z[:n]), jnp.abs(y_new[:n]))
+            err_norm = rms(error_const[k] * d[:n], scale)
+            err_m = jnp.where(k > 1, rms(error_const[k - 1] * D_new[k, :n], scale), jnp.inf)
+            kp = jnp.minimum(k + 1, MAX_ORDER)
+            err_p = jnp.where(k < MAX_ORDER, rms(error_const[kp] * D_new[k + 2, :n], scale),
+                              jnp.inf)
+            norms = jnp.stack([err_m, err_norm, err_p])
+            expo = -1.0 / (k + jnp.arange(3)).astype(dtype)
+            # (a zero error estimate: an infinite factor, and a zero derivative, not NaN)
+            positive = norms > 0
+            factors = jnp.where(positive, jnp.where(positive, norms, 1.0) ** expo, jnp.inf)
+            factors = jnp.where(jnp.isnan(norms), 0.0, factors)
+            return ((k + jnp.argmax(factors) - 1).astype(dtype),
+                    jnp.minimum(MAX_FACTOR, safety * jnp.max(factors)).astype(dtype))
+
+        def unchanged(*_):
+            return k.astype(dtype), jnp.ones((), dtype)
+
         n_equal = n_equal + 1
         select = n_equal >= k + 1
-        new_order = jnp.where(select, k + jnp.argmax(factors) - 1, k)
-        factor = jnp.where(select, jnp.minimum(MAX_FACTOR, safety * jnp.max(factors)), 1.0)
+        new_order, factor = _sharding.cond(select, selection, unchanged,
+                                           z, y_new, d, D_new, safety)
         n_equal = jnp.where(select, 0.0, n_equal)
         # Dense output: the step's interpolant as monomials in θ (over h), and d / h.
         mask = (jnp.arange(1, MAX_ORDER + 1) <= k).astype(dtype)
