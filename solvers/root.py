@@ -307,8 +307,7 @@ def _solve(
         )
         if not preconditioner:
             return unravel(state.x), info
-        factors = (_lu.with_permutation(state.quasi) if method == "newton"
-                   else state.quasi.factors)
+        factors = ops.reusable(state.quasi) if method == "newton" else state.quasi.factors
         return unravel(state.x), info, _adjoint_preconditioner(factors)
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,

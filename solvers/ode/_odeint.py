@@ -668,12 +668,9 @@ def _notify(progress, t, accepted, t0, t_end):
 def _why(status, max_steps, solver, *, backward=False, event=False):
     """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
     if status == _integrate.DRIFT:
-        return (
-            "the state reconstructed by the backward pass drifted away from the forward "
-            "solution (integrating the state backwards is unstable for dissipative or "
-            "stiff dynamics; the gradient would be wrong)",
-            "use the default adjoint='discrete', or tighten adjoint_rtol/adjoint_atol",
-        )
+        why, _ = _status.explain(status)
+        return (why + ", stiff or not: the gradient would be wrong",
+                "use the default adjoint='discrete', or tighten adjoint_rtol/adjoint_atol")
     if status == _status.GRADIENT_ERROR:
         why, _ = _status.explain(status)
         why += (f": over {100 * _adjoint.GRADIENT_LIMIT:g}% (the default adjoint; fast "
