@@ -140,8 +140,9 @@ def root(
     Example:
       >>> import jax, jax.numpy as jnp, solvers
       >>> F = lambda x, a: x ** 3 - a
-      >>> print(solvers.root(F, 1.0, 8.0), jax.grad(lambda a: solvers.root(F, 1.0, a))(8.0))
-      2.0 0.083333336
+      >>> g = jax.grad(lambda a: solvers.root(F, 1.0, a))(8.0)  # 1 / (3 x²) = 1/12
+      >>> print(solvers.root(F, 1.0, 8.0), round(float(g), 7))
+      2.0 0.0833333
 
       A tridiagonal system, ``2x_i - x_{i-1} - x_{i+1} + x_i³ = b_i``, with ``jac_sparsity=1``:
 

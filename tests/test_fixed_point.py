@@ -136,7 +136,9 @@ def test_anderson_beats_plain_iteration_on_a_slow_contraction():
 
 
 def test_full_output_info_and_history():
-    x, info = solvers.fixed_point(newton_update, 2.0, 2.0, full_output=True, max_steps=50)
+    # check_every=1: every step tested and recorded (a GPU's default tests every 4th)
+    x, info = solvers.fixed_point(newton_update, 2.0, 2.0, full_output=True, max_steps=50,
+                                  check_every=1)
     assert isinstance(info, solvers.Info)
     assert bool(info.converged)
     k = int(info.num_steps)
@@ -182,7 +184,9 @@ def test_on_failure_nan_marks_only_failed_batch_elements():
     assert out[0] == 0.0 and np.isnan(out[1])
     # The guess is tested first, then 3 steps; the result is the next iterate after the
     # last one tested (f there is already known): x_4 = 1 + 0.999 + 0.999^2 + 0.999^3.
-    last = solvers.fixed_point(_slow, 0.0, 1.0, max_steps=3, on_failure="ignore")
+    # (check_every=1: a GPU's default tests every 4th step, so may run max_steps + 3.)
+    last = solvers.fixed_point(_slow, 0.0, 1.0, max_steps=3, on_failure="ignore",
+                               check_every=1)
     np.testing.assert_allclose(last, 1.0 + 0.999 + 0.999**2 + 0.999**3, rtol=1e-6)
 
 
