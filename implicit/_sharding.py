@@ -14,9 +14,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+try:  # JAX 0.11 removed it, with no public replacement: split_like then ties nothing
+    from jax.experimental.shard_alike import shard_alike
+except ImportError:
+    shard_alike = None
 
 __all__ = [
     "cond",
@@ -157,8 +161,11 @@ def on_mesh(tree):
 def dot(a, b):
     """``jnp.dot(a, b)``, its result replicated where ``a`` or ``b`` is split over an
     Explicit mesh (which asks where a contraction over a split axis goes: an inner
-    product of split vectors, a split Jacobian's product)."""
-    return jnp.dot(a, b, out_sharding=P() if sharded_explicit((a, b)) else None)
+    product of split vectors, a split Jacobian's product). In full float32 (a GPU's
+    default is TF32, about 1e-3 relative): the solvers' own algebra does not follow the
+    default matmul precision."""
+    return jnp.dot(a, b, out_sharding=P() if sharded_explicit((a, b)) else None,
+                   precision=jax.lax.Precision.HIGHEST)
 
 
 def stackable(values):
@@ -267,12 +274,14 @@ def split_like(x, like):
     element of a ``vmap``ped batch is not: unchanged); elsewhere outside ``shard_map``,
     tied to ``like`` by ``shard_alike`` (on an Auto mesh, XLA's sharding
     propagation would otherwise replicate what an unpartitioned computation, an LU,
-    returns, and a gradient would come back replicated; a no-op on one device).
+    returns, and a gradient would come back replicated; a no-op on one device). JAX 0.11
+    removed ``shard_alike``: there such a result is left to the propagation (the same
+    values, possibly replicated).
     """
     if sharded_explicit(like):
         return jax.sharding.reshard(x, jax.typeof(like).sharding)
     if (context_manual_axes() or _explicit_mesh((x, like)) is not None
-            or jnp.shape(x) != jnp.shape(like)):
+            or jnp.shape(x) != jnp.shape(like) or shard_alike is None):
         return x
     return shard_alike(x, like)[0]
 
