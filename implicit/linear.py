@@ -60,6 +60,11 @@ def _axpy(alpha, x, y):
     return jax.tree.map(lambda xi, yi: alpha * xi + yi, x, y)
 
 
+#: Full-precision products inside the solvers (a GPU's default float32 matmul is TF32,
+#: about 1e-3 relative: too coarse for an orthogonal basis).
+_EXACT = jax.lax.Precision.HIGHEST
+
+
 def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
     """Restarted GMRES on a flat vector: Arnoldi with classical Gram-Schmidt (a second
     pass when needed), Givens rotations for a running residual estimate, early exit
@@ -78,57 +83,58 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
         basis = jnp.broadcast_to(jnp.zeros_like(b), (m + 1, n))
         basis = basis.at[0].set(r / jnp.where(beta > 0, beta, 1))
         hess = jnp.zeros((m + 1, m), dtype)  # Hessenberg matrix, rotated to triangular
-        cs = jnp.zeros(m, dtype)
-        sn = jnp.zeros(m, dtype)
         g = jnp.zeros(m + 1, dtype).at[0].set(beta)
 
         def not_done(c):
-            j, _, _, _, _, g = c
+            j, _, _, _, g = c
             return (j < m) & (jnp.abs(g[j]) > bound)
 
         def arnoldi_step(c):
-            j, basis, hess, cs, sn, g = c
+            j, basis, hess, rot, g = c
             w = matvec(basis[j])
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
             rep = _sharding.replicated(basis, w)  # Explicit meshes: n may be sharded
-            h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
-            w = w - h @ basis
+            h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep, precision=_EXACT), 0.0)
+            w = w - jnp.matmul(h, basis, precision=_EXACT)
 
             def reorthogonalise(hw):
                 h, w = hw
-                h2 = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep), 0.0)
-                return h + h2, w - h2 @ basis
+                h2 = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep, precision=_EXACT),
+                               0.0)
+                return h + h2, w - jnp.matmul(h2, basis, precision=_EXACT)
 
-            # A second Gram-Schmidt pass only when the first cancelled much of w (DGKS).
-            h, w = jax.lax.cond(
-                jnp.linalg.norm(w) < 0.7 * w_norm, reorthogonalise, lambda hw: hw, (h, w)
-            )
+            # A second Gram-Schmidt pass where the first cancelled much of w (DGKS):
+            # computed always and selected (a conditional syncs with the host on a GPU).
+            h2, w2 = reorthogonalise((h, w))
+            again = jnp.linalg.norm(w) < 0.7 * w_norm
+            h, w = jnp.where(again, h2, h), jnp.where(again, w2, w)
             h_norm = jnp.linalg.norm(w)
             basis = basis.at[j + 1].set(w / jnp.where(h_norm > 0, h_norm, 1))
             h = h.at[j + 1].set(h_norm)
 
-            def rotate(i, h):
-                hi, hi1 = h[i], h[i + 1]
-                h = h.at[i].set(cs[i] * hi + sn[i] * hi1)
-                return h.at[i + 1].set(-sn[i] * hi + cs[i] * hi1)
-
-            h = jax.lax.fori_loop(0, j, rotate, h)
+            # The earlier rotations at once: rot is their product (identity past row j),
+            # so one small matrix-vector product, not a loop of j trips (host syncs on
+            # a GPU).
+            h = jnp.matmul(rot, h, precision=_EXACT)
             a, bb = h[j], h[j + 1]
             radius = jnp.sqrt(a * a + bb * bb)
             radius = jnp.where(radius > 0, radius, 1)
             c_j, s_j = a / radius, bb / radius
             h = h.at[j].set(c_j * a + s_j * bb).at[j + 1].set(0.0)
             g = g.at[j + 1].set(-s_j * g[j]).at[j].set(c_j * g[j])
-            return j + 1, basis, hess.at[:, j].set(h), cs.at[j].set(c_j), sn.at[j].set(s_j), g
+            rot_j, rot_j1 = rot[j], rot[j + 1]
+            rot = rot.at[j].set(c_j * rot_j + s_j * rot_j1)
+            rot = rot.at[j + 1].set(-s_j * rot_j + c_j * rot_j1)
+            return j + 1, basis, hess.at[:, j].set(h), rot, g
 
-        j, basis, hess, _, _, g = _sharding.while_loop(
-            not_done, arnoldi_step, (jnp.int32(0), basis, hess, cs, sn, g)
+        j, basis, hess, _, g = _sharding.while_loop(
+            not_done, arnoldi_step, (jnp.int32(0), basis, hess, jnp.eye(m + 1, dtype=dtype), g)
         )
         used = jnp.arange(m) < j
         tri = jnp.where(used[:, None] & used[None, :], hess[:m], jnp.eye(m, dtype=dtype))
         y = jax.scipy.linalg.solve_triangular(tri, jnp.where(used, g[:m], 0.0), lower=False)
-        return x + y @ basis[:m], jnp.abs(g[j]), j
+        return x + jnp.matmul(y, basis[:m], precision=_EXACT), jnp.abs(g[j]), j
 
     def outer_cond(c):
         _, residual, steps = c
@@ -169,8 +175,21 @@ def _diagonal(matvec, b, rtol, atol, max_steps):
     return b / matvec(jnp.ones_like(b))
 
 
+#: Neumann steps per loop trip on GPU/TPU, where every trip syncs its predicate with the
+#: host (about 20 us on an H100, more than a small step costs): the residual is tested
+#: after the last of them, so a solve may take up to this many - 1 steps more than it
+#: needed (each only contracts the error further). One on CPU.
+NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR = 8
+
+
+def _on_accelerator():
+    """Whether computations run on a GPU/TPU (the default backend, read at trace time)."""
+    return jax.default_backend() != "cpu"
+
+
 def _neumann(matvec, b, rtol, atol, max_steps):
     bound = atol + rtol * _norm(b)
+    every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _on_accelerator() else 1
 
     def cond(carry):
         _, err, k = carry
@@ -178,8 +197,10 @@ def _neumann(matvec, b, rtol, atol, max_steps):
 
     def body(carry):
         x, _, k = carry
-        r = jax.tree.map(jnp.subtract, matvec(x), b)  # r = A x - b
-        return jax.tree.map(jnp.add, x, r), _norm(r), k + 1
+        for _ in range(every):
+            r = jax.tree.map(jnp.subtract, matvec(x), b)  # r = A x - b
+            x = jax.tree.map(jnp.add, x, r)
+        return x, _norm(r), k + every
 
     x0 = jax.tree.map(jnp.negative, b)
     x, err, _ = _sharding.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))

@@ -302,7 +302,12 @@ class Structure:
 
 def _mv(a, x):
     """Block-wise ``a[k] @ x[k]``."""
-    return jnp.einsum("...ij,...j->...i", a, x)
+    return jnp.einsum("...ij,...j->...i", a, x, precision=jax.lax.Precision.HIGHEST)
+
+
+def _mm(a, b):
+    """``a @ b`` in full float32 (a GPU's default is TF32, about 1e-3 relative)."""
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
 def _shift(x, up=False):
@@ -320,8 +325,8 @@ def _block_lu(lo, d, up):
 
     def body(sinv_prev, inp):
         lo_i, d_i, up_p = inp
-        X = lo_i @ sinv_prev
-        sinv = jnp.linalg.inv(d_i - X @ up_p)
+        X = _mm(lo_i, sinv_prev)
+        sinv = jnp.linalg.inv(d_i - _mm(X, up_p))
         return sinv, (X, sinv)
 
     _, (X, sinv) = jax.lax.scan(body, jnp.zeros_like(d[0]), (lo, d, up_prev))
@@ -334,14 +339,14 @@ def _block_lu_solve(factors, b):
 
     def fwd(y_prev, inp):  # L y = b
         X_i, b_i = inp
-        y = b_i - X_i @ y_prev
+        y = b_i - _mm(X_i, y_prev)
         return y, y
 
     _, y = jax.lax.scan(fwd, jnp.zeros_like(b[0]), (X, b))
 
     def bwd(x_next, inp):  # U x = y
         sinv_i, up_i, y_i = inp
-        x = sinv_i @ (y_i - up_i @ x_next)
+        x = _mm(sinv_i, y_i - _mm(up_i, x_next))
         return x, x
 
     _, x = jax.lax.scan(bwd, jnp.zeros_like(b[0]), (sinv, up, y), reverse=True)
@@ -365,8 +370,8 @@ def _reduce(lo, d, up):
             lo, up = jnp.concatenate([lo, zero]), jnp.concatenate([up, zero])
             d = jnp.concatenate([d, jnp.eye(d.shape[-1], dtype=d.dtype)[None]])
         d_inv = jnp.linalg.inv(d[1::2])  # partial pivoting inside each block (LAPACK)
-        w = d_inv @ jnp.concatenate([lo[1::2], up[1::2]], -1)
-        left, right = lo[0::2] @ _shift(w), up[0::2] @ w
+        w = _mm(d_inv, jnp.concatenate([lo[1::2], up[1::2]], -1))
+        left, right = _mm(lo[0::2], _shift(w)), _mm(up[0::2], w)
         levels.append((d_inv, w, jnp.concatenate([lo[0::2], up[0::2]], -1)))
         d = d[0::2] - left[..., B:] - right[..., :B]
         lo, up = -left[..., :B], -right[..., B:]
@@ -390,7 +395,7 @@ def _reduced_solve(reduction, b):
         v = _mv(d_inv, b[1::2])
         vs.append(v)
         b = b[0::2] - _mv(coupling, jnp.concatenate([_shift(v), v], -1))
-    x = (tail @ b.reshape(-1)).reshape(b.shape)
+    x = _mm(tail, b.reshape(-1)).reshape(b.shape)
     for (_, w, _), v, m in zip(levels[::-1], vs[::-1], sizes[::-1]):
         x_odd = v - _mv(w, jnp.concatenate([x, _shift(x, up=True)], -1))
         x = jnp.stack([x, x_odd], 1).reshape(-1, x.shape[-1])[:m]

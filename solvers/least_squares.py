@@ -217,7 +217,7 @@ def _levenberg_marquardt(evaluate, rtol):
         d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
         # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
         d = jnp.where(d > 0, d, 1.0)
-        h = _lu.factor_solve(j.T @ j + mu * jnp.diag(d), -g)[0]
+        h = _lu.factor_solve(_sharding.dot(j.T, j) + mu * jnp.diag(d), -g)[0]
         x_new = x + h
         f_new, (r_new, j_new) = evaluate(x_new)
         predicted = 0.5 * _sharding.dot(h, mu * d * h - g)  # the model's decrease, > 0

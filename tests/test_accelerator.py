@@ -1,0 +1,152 @@
+"""What a GPU needs of the solvers, checked where the tests run (on CPU too).
+
+- The solvers' own products (tableau weights times stages, Gram matrices, Krylov bases,
+  quasi-Newton updates) are full float32 whatever the default matmul precision: a GPU's
+  default is TF32 (about 1e-3 relative), too coarse for an error estimate or an
+  orthogonal basis. The user's function keeps the precision it asks for.
+- Loops that would make a host round trip per small step do not: GMRES applies its
+  rotations without an inner loop or conditional; the Neumann adjoint takes several
+  steps per loop trip on an accelerator.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import implicit.linear
+import solvers
+
+
+def _dots(jaxpr, out):
+    """The precision of every dot_general in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _dots(sub.jaxpr, out)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _dots(sub, out)
+    return out
+
+
+def _layer(x, a):  # no products of its own: every dot below is a solver's
+    return jnp.tanh(a * x) + 0.5
+
+
+CASES = {
+    "fixed_point anderson": lambda a: solvers.fixed_point(
+        _layer, jnp.zeros(5), a, method="anderson", linear_solver="gmres"),
+    "root newton, gmres adjoint": lambda a: solvers.root(
+        lambda x, a: x**3 - a, jnp.ones(5), a, linear_solver="gmres"),
+    "odeint kvaerno5": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(5), jnp.array([0.0, 1.0]), a, method="kvaerno5"),
+    "odeint bdf": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(5), jnp.array([0.0, 1.0]), a, method="bdf"),
+    "odeint dopri5, large state": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones((5, 200)), jnp.array([0.0, 1.0]), a),
+    "least_squares": lambda a: solvers.least_squares(lambda x, a: x**2 - a, jnp.ones(5), a),
+    "minimize bfgs": lambda a: solvers.minimize(
+        lambda x, a: jnp.sum((x - a) ** 2), jnp.zeros(5), a, method="bfgs"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("grad", [False, True])
+def test_solver_products_are_full_precision(name, grad):
+    fn = CASES[name]
+    if grad:
+        fn = jax.grad(lambda a, fn=fn: jnp.sum(fn(a)))
+    precisions = _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr, [])
+    assert precisions or name.startswith("root") and not grad  # (a scalar Newton: none)
+    loose = [p for p in precisions if "HIGHEST" not in str(p)]
+    assert not loose, f"{len(loose)} of {len(precisions)} products at {set(map(str, loose))}"
+
+
+def test_user_function_keeps_its_precision():
+    W = jnp.eye(3) * 0.5
+    fn = lambda a: solvers.fixed_point(lambda x, W: jnp.tanh(W @ x) + a, jnp.zeros(3), W)  # noqa: E731
+    precisions = {str(p) for p in _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr, [])}
+    assert "None" in precisions  # the user's W @ x, at the default precision
+
+
+def _while_bodies(jaxpr, depth=0, out=None):
+    """``(depth, body jaxpr)`` of every while loop, depth counting enclosing loops."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            out.append((depth, eqn.params["body_jaxpr"].jaxpr))
+            _while_bodies(eqn.params["body_jaxpr"].jaxpr, depth + 1, out)
+            _while_bodies(eqn.params["cond_jaxpr"].jaxpr, depth + 1, out)
+            continue
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _while_bodies(sub.jaxpr, depth, out)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _while_bodies(sub, depth, out)
+    return out
+
+
+def _primitives(jaxpr, out):
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    _primitives(sub.jaxpr, out)
+                elif isinstance(sub, jcore.Jaxpr):
+                    _primitives(sub, out)
+    return out
+
+
+def test_gmres_runs_two_loops_and_no_conditional():
+    """The restart loop and the Arnoldi loop; rotations and re-orthogonalisation inside a
+    step add no loop trip or conditional (each a host round trip on a GPU)."""
+    rng = np.random.default_rng(0)
+    A = jnp.asarray(np.eye(30) + 0.3 * rng.standard_normal((30, 30)) / np.sqrt(30))
+    b = jnp.asarray(rng.standard_normal(30))
+
+    def solve(b):  # (the method itself: solve() adds its transpose's loops)
+        return implicit.linear._gmres(lambda v: A @ v, b, 1e-7, 0.0, 200)
+
+    jaxpr = jax.make_jaxpr(solve)(b).jaxpr
+    loops = _while_bodies(jaxpr)
+    assert sorted(d for d, _ in loops) == [0, 1]
+    assert "cond" not in _primitives(jaxpr, set())
+    x = np.asarray(solve(b), np.float64)
+    np.testing.assert_allclose(np.asarray(A, np.float64) @ x, b, atol=1e-4)
+
+
+def test_gmres_solution_with_many_restarts_matches_dense():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(1)
+        n = 40  # four restart cycles at least
+        A = np.eye(n) * 2 + rng.standard_normal((n, n)) / np.sqrt(n)
+        b = rng.standard_normal(n)
+        x = implicit.linear.solve("gmres", lambda v: jnp.asarray(A) @ v, jnp.asarray(b),
+                                  rtol=1e-11, atol=0.0)
+        np.testing.assert_allclose(np.asarray(x), np.linalg.solve(A, b), rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_neumann_takes_several_steps_per_trip_on_an_accelerator(monkeypatch, accelerator):
+    monkeypatch.setattr(implicit.linear, "_on_accelerator", lambda: accelerator)
+    rng = np.random.default_rng(2)
+    M = 0.5 * np.linalg.qr(rng.standard_normal((8, 8)))[0]  # spectral radius 0.5
+    b = rng.standard_normal(8)
+    Mj = jnp.asarray(M, jnp.float32)
+
+    def solve(b):  # (M - I) x = b, the engine's form of the adjoint (the method itself)
+        return implicit.linear._neumann(lambda v: Mj @ v - v, b, 1e-6, 0.0, 200)
+
+    jaxpr = jax.make_jaxpr(solve)(jnp.asarray(b, jnp.float32)).jaxpr
+    (_, body), = _while_bodies(jaxpr)
+    steps = implicit.linear.NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if accelerator else 1
+    assert len(_dots(body, [])) == steps  # one product with M per step
+    x = solve(jnp.asarray(b, jnp.float32))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(M - np.eye(8), b), rtol=1e-4,
+                               atol=1e-5)
