@@ -26,6 +26,7 @@ Run: ``python -m benchmarks fixed_point`` (or ``make bench``).
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import jax
@@ -43,6 +44,9 @@ from benchmarks._common import (
 )
 
 N, BATCH, D_IN = 128, 64, 128
+# The large DEQ (GPU rows; `python -m benchmarks fixed_point` runs it where the default device
+# is not a CPU, or everywhere with BENCH_LARGE_DEQ=1).
+LARGE_N, LARGE_BATCH, LARGE_D_IN = 1024, 256, 1024
 RTOL = 1e-5
 ATOL = 1e-6  # our float32 default; the peers get the same where they take one
 SCAN_STEPS = 60
@@ -59,15 +63,15 @@ GRAD_ERROR_NOTE = "grad error = max over (W, U, b) of max|g - g_ref| / max|g_ref
 # --------------------------------------------------------------------------- problem
 
 
-def make_problem(seed=0):
+def make_problem(seed=0, n=N, batch=BATCH, d_in=D_IN):
     """NumPy float64 problem data: ``(W, U, b, x)``."""
     rng = np.random.default_rng(seed)
-    q, r = np.linalg.qr(rng.standard_normal((N, N)))
+    q, r = np.linalg.qr(rng.standard_normal((n, n)))
     q = q * np.sign(np.diag(r))  # Haar-distributed orthogonal matrix
     w = 0.9 * q
-    u = INPUT_SCALE * rng.standard_normal((N, D_IN)) / np.sqrt(D_IN)
-    b = 0.1 * rng.standard_normal(N)
-    x = rng.standard_normal((BATCH, D_IN))
+    u = INPUT_SCALE * rng.standard_normal((n, d_in)) / np.sqrt(d_in)
+    b = 0.1 * rng.standard_normal(n)
+    x = rng.standard_normal((batch, d_in))
     return w, u, b, x
 
 
@@ -83,16 +87,16 @@ def f_single(z, w, u, b, x):
 
 def reference_gradient(w, u, b, x):
     """Float64 dense-IFT gradient of ``sum(z*²)`` with respect to ``(W, U, b)``."""
-    z = np.zeros((BATCH, N))
+    z = np.zeros((x.shape[0], w.shape[0]))
     for _ in range(10_000):
         z_new = np.tanh(z @ w.T + x @ u.T + b)
         if np.max(np.abs(z_new - z)) <= 4 * np.finfo(np.float64).eps:
             z = z_new
             break
         z = z_new
-    eye = np.eye(N)
+    eye = np.eye(w.shape[0])
     pre = np.empty_like(z)  # cotangent of the pre-activation, per sample
-    for i in range(BATCH):
+    for i in range(x.shape[0]):
         dtanh = 1.0 - z[i] ** 2
         jac = dtanh[:, None] * w  # J_i = diag(1 - z_i²) W
         wi = np.linalg.solve((eye - jac).T, 2.0 * z[i])
@@ -113,6 +117,11 @@ def grad_error(grads, ref):
 # None (then a separate ``count(params, x)`` gives it).
 
 
+def _z0(params, x):
+    """The zero initial state: (batch, n), n from W (the first parameter)."""
+    return jnp.zeros((x.shape[0], params[0].shape[0]), x.dtype)
+
+
 def loss_of(solve):
     def loss(params, x):
         z = solve(params, x)[0]
@@ -123,7 +132,7 @@ def loss_of(solve):
 
 def ours_batched(method, linear_solver, max_steps=1000, on_failure="raise"):
     def solve(params, x, full_output=False):
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         out = solvers.fixed_point(
             f_batch,
             z0,
@@ -146,7 +155,7 @@ def ours_vmapped(method, linear_solver):
         def one(xi):
             out = solvers.fixed_point(
                 f_single,
-                jnp.zeros((N,), xi.dtype),
+                jnp.zeros(params[0].shape[:1], xi.dtype),
                 *params,
                 xi,
                 method=method,
@@ -169,7 +178,7 @@ def jaxopt_solver(name):
     solver = cls(fixed_point_fun=f_batch, tol=RTOL, maxiter=1000, implicit_diff=True)
 
     def solve(params, x):
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         z, state = solver.run(z0, *params, x)
         return z, state.iter_num
 
@@ -184,8 +193,8 @@ def optimistix_vmapped():
     def solve(params, x):
         def one(xi):
             fn = lambda z, a: f_single(z, *a)  # noqa: E731
-            sol = optx.fixed_point(fn, fp, jnp.zeros((N,), xi.dtype), (*params, xi),
-                                   max_steps=1000)
+            z0 = jnp.zeros(params[0].shape[:1], xi.dtype)
+            sol = optx.fixed_point(fn, fp, z0, (*params, xi), max_steps=1000)
             return sol.value, sol.stats["num_steps"]
 
         z, steps = jax.vmap(one)(x)
@@ -203,7 +212,7 @@ def optimistix_gmres():
 
     def solve(params, x):
         fn = lambda z, a: f_batch(z, *a)  # noqa: E731
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         sol = optx.fixed_point(fn, fp, z0, (*params, x), max_steps=1000, adjoint=adjoint)
         return sol.value, sol.stats["num_steps"]
 
@@ -263,11 +272,11 @@ def _seed_map(a, z):
 
 def seed_notebook():
     def solve(params, x):
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         return seed_fixed_point(_seed_map, (*params, x), z0), None
 
     def count(params, x):
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         return _seed_loop(_seed_map, (*params, x), z0)[1]
 
     return solve, count
@@ -275,7 +284,7 @@ def seed_notebook():
 
 def unrolled_scan(steps):
     def solve(params, x):
-        z0 = jnp.zeros((x.shape[0], N), x.dtype)
+        z0 = _z0(params, x)
         z, _ = jax.lax.scan(lambda z, _: (f_batch(z, *params, x), None), z0, length=steps)
         return z, steps
 
@@ -315,6 +324,8 @@ def time_rows(rows):
     calls = {(i, k): fn for i, r in enumerate(rows) for k, fn in r.calls.items()}
     seconds = run_times_interleaved(calls, rounds=ROUNDS, statistic="min")
     for i, r in enumerate(rows):
+        if not r.calls:  # a peer that failed on this problem (its name says how)
+            continue
         solve, vg = seconds[(i, "solve")], seconds[(i, "vg")]
         r.values.update({"solve ms": 1e3 * solve, "value-and-grad ms": 1e3 * vg,
                          "vg / solve": vg / solve})
@@ -346,6 +357,39 @@ def main_table(params, x, ref):
                         count=count))
     rows.append(measure(f"unrolled lax.scan K={SCAN_STEPS}", "peer", unrolled_scan(SCAN_STEPS),
                         params, x, ref))
+    time_rows(rows)
+    return rows
+
+
+def measure_peer(name, solve, params, x, ref, count=None):
+    """:func:`measure` for a peer that may raise on a problem: its row then says so."""
+    try:
+        return measure(name, "peer", solve, params, x, ref, count=count)
+    except Exception as err:  # a peer's failed solve (reported in its row, not hidden)
+        reason = str(err).strip().splitlines()
+        reason = next((line for line in reason if "rror" in line), reason[0] if reason else "")
+        print(f"  {name}: failed: {reason[:160]}", flush=True)
+        row = Row(f"{name} (failed: {type(err).__name__})", "peer", {})
+        row.calls = {}
+        return row
+
+
+def large_table(params, x, ref):
+    """The large DEQ: batched rows only (per-sample Jacobians would be 256 x 1024²)."""
+    rows = [measure(f"ours {method} {ls} (batched)", OURS, ours_batched(method, ls),
+                    params, x, ref)
+            for method in ("iterate", "anderson") for ls in ("gmres", "neumann")]
+    rows.append(measure_peer("jaxopt FixedPointIteration", jaxopt_solver("fpi"),
+                             params, x, ref))
+    rows.append(measure_peer("jaxopt AndersonAcceleration", jaxopt_solver("anderson"),
+                             params, x, ref))
+    rows.append(measure_peer("optimistix fixed_point (batched, GMRES)", optimistix_gmres(),
+                             params, x, ref))
+    solve, count = seed_notebook()
+    rows.append(measure_peer("seed notebook custom_vjp fixed_point", solve, params, x, ref,
+                             count=count))
+    rows.append(measure_peer(f"unrolled lax.scan K={SCAN_STEPS}", unrolled_scan(SCAN_STEPS),
+                             params, x, ref))
     time_rows(rows)
     return rows
 
@@ -412,6 +456,25 @@ def main():
         rows2,
         list(rows2[0].values),
     )
+    if jax.devices()[0].platform != "cpu" or os.environ.get("BENCH_LARGE_DEQ") == "1":
+        w, u, b, x = make_problem(n=LARGE_N, batch=LARGE_BATCH, d_in=LARGE_D_IN)
+        ref = reference_gradient(w, u, b, x)
+        params = tuple(jnp.asarray(a, jnp.float32) for a in (w, u, b))
+        print(f"\n# Large DEQ: n={LARGE_N}, batch={LARGE_BATCH}, d_in={LARGE_D_IN}, otherwise "
+              "as above")
+        rows3 = large_table(params, jnp.asarray(x, jnp.float32), ref)
+        print_table(
+            "Large fixed point: value and gradient of sum(z*²) w.r.t. (W, U, b)",
+            rows3,
+            columns,
+            ratio_columns=["compile s", "value-and-grad ms", "grad temp MB", "grad error"],
+        )
+        capped = [r.name for r in rows3 if r.name.startswith("jaxopt")
+                  and r.values.get("iterations", 0) >= 1000]
+        if capped:
+            print(f"\n- {', '.join(capped)}: jaxopt's tol bounds the norm of the whole "
+                  f"({LARGE_BATCH}, {LARGE_N}) state (ours and optimistix's the largest "
+                  "element, relative); at 1e-5 in float32 it ran to maxiter=1000.")
     print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
 
 
