@@ -123,7 +123,7 @@ def _first_order_only_jvp(primals, tangents):
     )
 
 
-def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=64,
+def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
                max_steps=None, progress=None, record=0, event=None, log=0, direction="both"):
     """A differentiable ``solve(z0, ts, theta, const, ctl, ev=((), ())) -> (zs, Stats)``.
 

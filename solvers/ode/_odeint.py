@@ -98,7 +98,7 @@ def odeint(
     adjoint=None,
     adjoint_rtol=None,
     adjoint_atol=None,
-    adjoint_window=64,
+    adjoint_window=32,
     first_step=None,
     max_step=None,
     on_failure="raise",
@@ -222,7 +222,10 @@ def odeint(
       adjoint_rtol, adjoint_atol: tolerances of the backward integration of the
         continuous adjoints (``"backsolve"``, ``"interpolate"``).
       adjoint_window: accepted steps between the discrete adjoint's checkpoints, and
-        forward steps the interpolating adjoint keeps at a time: memory only.
+        forward steps the interpolating adjoint keeps at a time (default 32): memory and
+        speed only (the backward pass zeroes and fills a window's buffers per segment:
+        smaller windows waste less on short integrations; past 128 x ``adjoint_window``
+        accepted steps the checkpoints thin out and steps are replayed more).
       first_step: initial step size (default: chosen automatically).
       max_step: the largest step size (``jax.experimental.ode.odeint``'s ``hmax``; default:
         unbounded), e.g. so that a short forcing pulse is not stepped over.
