@@ -19,18 +19,26 @@ import implicit.linear
 import solvers
 
 
-def _dots(jaxpr, out):
-    """The precision of every dot_general in ``jaxpr`` and its sub-jaxprs."""
+def _subjaxprs(eqn):
+    for p in eqn.params.values():
+        for sub in p if isinstance(p, (list, tuple)) else [p]:
+            if isinstance(sub, jcore.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, jcore.Jaxpr):
+                yield sub
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn.params["precision"])
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _dots(sub.jaxpr, out)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _dots(sub, out)
-    return out
+        yield eqn
+        for sub in _subjaxprs(eqn):
+            yield from _eqns(sub)
+
+
+def _dots(jaxpr):
+    """The precision of every dot_general in ``jaxpr`` and its sub-jaxprs."""
+    return [e.params["precision"] for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def _layer(x, a):  # no products of its own: every dot below is a solver's
@@ -60,7 +68,7 @@ def test_solver_products_are_full_precision(name, grad):
     fn = CASES[name]
     if grad:
         fn = jax.grad(lambda a, fn=fn: jnp.sum(fn(a)))
-    precisions = _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr, [])
+    precisions = _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr)
     assert precisions or name.startswith("root") and not grad  # (a scalar Newton: none)
     loose = [p for p in precisions if "HIGHEST" not in str(p)]
     assert not loose, f"{len(loose)} of {len(precisions)} products at {set(map(str, loose))}"
@@ -69,37 +77,19 @@ def test_solver_products_are_full_precision(name, grad):
 def test_user_function_keeps_its_precision():
     W = jnp.eye(3) * 0.5
     fn = lambda a: solvers.fixed_point(lambda x, W: jnp.tanh(W @ x) + a, jnp.zeros(3), W)  # noqa: E731
-    precisions = {str(p) for p in _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr, [])}
+    precisions = {str(p) for p in _dots(jax.make_jaxpr(fn)(jnp.float32(1.0)).jaxpr)}
     assert "None" in precisions  # the user's W @ x, at the default precision
 
 
-def _while_bodies(jaxpr, depth=0, out=None):
+def _while_bodies(jaxpr, depth=0):
     """``(depth, body jaxpr)`` of every while loop, depth counting enclosing loops."""
-    out = [] if out is None else out
+    out = []
     for eqn in jaxpr.eqns:
+        inner = depth + 1 if eqn.primitive.name == "while" else depth
         if eqn.primitive.name == "while":
             out.append((depth, eqn.params["body_jaxpr"].jaxpr))
-            _while_bodies(eqn.params["body_jaxpr"].jaxpr, depth + 1, out)
-            _while_bodies(eqn.params["cond_jaxpr"].jaxpr, depth + 1, out)
-            continue
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _while_bodies(sub.jaxpr, depth, out)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _while_bodies(sub, depth, out)
-    return out
-
-
-def _primitives(jaxpr, out):
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (list, tuple)) else [p]:
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _primitives(sub.jaxpr, out)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _primitives(sub, out)
+        for sub in _subjaxprs(eqn):
+            out += _while_bodies(sub, inner)
     return out
 
 
@@ -116,7 +106,7 @@ def test_gmres_runs_two_loops_and_no_conditional():
     jaxpr = jax.make_jaxpr(solve)(b).jaxpr
     loops = _while_bodies(jaxpr)
     assert sorted(d for d, _ in loops) == [0, 1]
-    assert "cond" not in _primitives(jaxpr, set())
+    assert "cond" not in {e.primitive.name for e in _eqns(jaxpr)}
     x = np.asarray(solve(b), np.float64)
     np.testing.assert_allclose(np.asarray(A, np.float64) @ x, b, atol=1e-4)
 
@@ -146,7 +136,7 @@ def test_neumann_takes_several_steps_per_trip_on_an_accelerator(monkeypatch, acc
     jaxpr = jax.make_jaxpr(solve)(jnp.asarray(b, jnp.float32)).jaxpr
     (_, body), = _while_bodies(jaxpr)
     steps = implicit.linear.NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if accelerator else 1
-    assert len(_dots(body, [])) == steps  # one product with M per step
+    assert len(_dots(body)) == steps  # one product with M per step
     x = solve(jnp.asarray(b, jnp.float32))
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(M - np.eye(8), b), rtol=1e-4,
                                atol=1e-5)
