@@ -54,6 +54,12 @@ CASES = {
         lambda y, t, a: -a * y, jnp.ones(5), jnp.array([0.0, 1.0]), a, method="kvaerno5"),
     "odeint bdf": lambda a: solvers.odeint(
         lambda y, t, a: -a * y, jnp.ones(5), jnp.array([0.0, 1.0]), a, method="bdf"),
+    # 500 states: bdf's difference-array products become dots (past _small.FUSED_MAX).
+    # In TF32 they stalled a GPU run of docs/ode.md's heat equation at max_steps (the
+    # error estimate's noise kept the steps ~1e-6): reproduced on CPU by rounding their
+    # operands to TF32, fixed by computing them in full precision.
+    "odeint bdf, 500 states": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(500), jnp.array([0.0, 1.0]), a, method="bdf"),
     "odeint dopri5, large state": lambda a: solvers.odeint(
         lambda y, t, a: -a * y, jnp.ones((5, 200)), jnp.array([0.0, 1.0]), a),
     "least_squares": lambda a: solvers.least_squares(lambda x, a: x**2 - a, jnp.ones(5), a),
