@@ -376,7 +376,9 @@ def _reduce(lo, d, up):
         d = d[0::2] - left[..., B:] - right[..., :B]
         lo, up = -left[..., :B], -right[..., B:]
     m = d.shape[0]  # the rest, dense (LU with partial pivoting across all of it)
-    tail = sum(jnp.einsum("ij,iab->iajb", jnp.eye(m, k=k, dtype=d.dtype), blocks)
+    # (placing blocks with a 0/1 matrix: in full precision, or a GPU rounds them to TF32)
+    tail = sum(jnp.einsum("ij,iab->iajb", jnp.eye(m, k=k, dtype=d.dtype), blocks,
+                          precision=jax.lax.Precision.HIGHEST)
                for k, blocks in ((-1, lo), (0, d), (1, up)))
     return tuple(levels), jnp.linalg.inv(tail.reshape(m * B, m * B))
 

@@ -62,7 +62,21 @@ CASES = {
         lambda y, t, a: -a * y, jnp.ones(500), jnp.array([0.0, 1.0]), a, method="bdf"),
     "odeint dopri5, large state": lambda a: solvers.odeint(
         lambda y, t, a: -a * y, jnp.ones((5, 200)), jnp.array([0.0, 1.0]), a),
+    "odeint bdf, banded Jacobian": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(500), jnp.array([0.0, 1.0]), a, method="bdf",
+        jac_sparsity=1),
+    "odeint dopri5, interpolating adjoint": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones((5, 200)), jnp.array([0.0, 1.0]), a,
+        adjoint="interpolate"),
     "least_squares": lambda a: solvers.least_squares(lambda x, a: x**2 - a, jnp.ones(5), a),
+    "least_squares gauss-newton": lambda a: solvers.least_squares(
+        lambda x, a: x**2 - a, jnp.ones(5), a, method="gauss-newton"),
+    "root dogleg": lambda a: solvers.root(lambda x, a: x**3 - a, jnp.ones(5), a,
+                                          method="dogleg"),
+    "root broyden": lambda a: solvers.root(lambda x, a: x**3 - a, jnp.ones(5), a,
+                                           method="broyden"),
+    "minimize lbfgs": lambda a: solvers.minimize(
+        lambda x, a: jnp.sum((x - a) ** 4), jnp.zeros(5), a, method="lbfgs"),
     "minimize bfgs": lambda a: solvers.minimize(
         lambda x, a: jnp.sum((x - a) ** 2), jnp.zeros(5), a, method="bfgs"),
 }
