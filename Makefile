@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow bench lint docs docs-check clean
+.PHONY: demo test test-slow test-gpu-defaults bench lint docs docs-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) -q -m slow
+
+# Not part of CI: the default suite on CPU with the defaults a GPU/TPU gets
+# (tests/gpu_defaults.py: check_every's accelerator values, Neumann steps per trip).
+test-gpu-defaults: $(STAMP)
+	MPLBACKEND=Agg PYTHONPATH=tests $(PY) -m pytest -n $(PYTEST_WORKERS) -q -p gpu_defaults
 
 bench: $(VENV)/.bench
 	MPLBACKEND=Agg $(PY) -m benchmarks

@@ -126,12 +126,20 @@ class Method(NamedTuple):
     run once per step, inside the loop) and the first ``step`` only evaluates the guess;
     the runner does not call ``terminate`` before it, allows ``max_steps`` steps after
     it and does not count it.
+
+    ``branches=True``: a step branches on a value the previous step stored (a bracket
+    keeps the end of F's sign). With ``check_every > 1`` the runner then runs a trip's
+    steps as an inner loop of known trip count, each step's state held once in its
+    carry, instead of unrolled into one computation: there XLA may recompute such a
+    value in several fusions whose roundings differ (FMA contraction), and a bracket
+    updated from two signs of one F(x) loses the root.
     """
 
     init: Callable  # x0 -> state
     step: Callable  # state -> state
     terminate: Callable  # state -> Progress
     warmup: bool = False
+    branches: bool = False
 
 
 def _leaf_max_norm(leaf):
@@ -245,8 +253,11 @@ def iterate(
 
     def body(carry):
         state, k, rec, history = carry
-        for _ in range(every):
-            state = method.step(state)
+        if method.branches and every > 1:  # (see Method)
+            state = jax.lax.fori_loop(0, every, lambda _, s: method.step(s), state)
+        else:
+            for _ in range(every):
+                state = method.step(state)
         k = k + every
         status, error, improved = _judge(method.terminate(state), rtol, atol, dtype)
         best = since = None

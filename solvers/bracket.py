@@ -261,6 +261,7 @@ def _solve(
                 step=step(fn, rtol, atol),
                 # Done when no element is still refining: the widest active bracket is 0.
                 terminate=lambda state: _runner.Progress(_error(state), zero),
+                branches=True,  # (the ends keep F's sign: one F(x) per step, see Method)
             )
             # (No stagnation test: every step shrinks every active bracket.)
             state, info = _runner.iterate(
