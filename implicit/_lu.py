@@ -168,6 +168,6 @@ def iteration_factor(a):
 def iteration_solve(factors, b):
     """``a⁻¹ b`` for ``factors = iteration_factor(a)``; ``b`` a vector."""
     if len(factors) == 1:
-        x = jnp.matmul(factors[0], _sharding.gathered(b), precision=jax.lax.Precision.HIGHEST)
+        x = _sharding.matmul(factors[0], _sharding.gathered(b))
         return _sharding.split_like(x, b)
     return solve(factors, b)

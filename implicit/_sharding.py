@@ -6,6 +6,10 @@ needs equal carry types; a constant start value is otherwise invariant), and, on
 Explicit mesh, put on the mesh; :func:`replicated`, :func:`stackable`, :func:`vary_like`
 and :func:`like_output` type the few values that an Explicit mesh or ``shard_map``
 needs typed. Outside ``shard_map`` and Explicit meshes every helper returns its input.
+
+What the device decides, in one place: the solvers' own products (:func:`matmul`,
+:func:`dot`, precision :data:`EXACT`) and whether they run on an accelerator
+(:func:`on_accelerator`, behind the defaults that take several steps per loop trip).
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ __all__ = [
     "cond_once",
     "context_manual_axes",
     "dot",
+    "EXACT",
     "fori_loop",
     "gathered",
     "like_output",
     "map_like",
     "match_varying",
+    "matmul",
     "mesh_of",
+    "on_accelerator",
     "on_mesh",
     "on_several_devices",
     "replicated",
@@ -158,14 +165,30 @@ def on_mesh(tree):
     return jax.tree.map(put, tree)
 
 
+#: The precision of every product the solvers compute themselves (:func:`matmul`,
+#: :func:`dot`, and the few einsums): full float32 whatever the default matmul precision,
+#: which on a GPU is TF32 (about 1e-3 relative), too coarse for a step's error estimate,
+#: an orthogonal basis or a difference array. The user's function keeps its own.
+EXACT = jax.lax.Precision.HIGHEST
+
+
+def matmul(a, b, *, out_sharding=None):
+    """``jnp.matmul(a, b)`` at :data:`EXACT` precision."""
+    return jnp.matmul(a, b, out_sharding=out_sharding, precision=EXACT)
+
+
 def dot(a, b):
-    """``jnp.dot(a, b)``, its result replicated where ``a`` or ``b`` is split over an
-    Explicit mesh (which asks where a contraction over a split axis goes: an inner
-    product of split vectors, a split Jacobian's product). In full float32 (a GPU's
-    default is TF32, about 1e-3 relative): the solvers' own algebra does not follow the
-    default matmul precision."""
-    return jnp.dot(a, b, out_sharding=P() if sharded_explicit((a, b)) else None,
-                   precision=jax.lax.Precision.HIGHEST)
+    """:func:`matmul` of vectors and matrices, its result replicated where ``a`` or ``b``
+    is split over an Explicit mesh (which asks where a contraction over a split axis
+    goes: an inner product of split vectors, a split Jacobian's product)."""
+    return matmul(a, b, out_sharding=P() if sharded_explicit((a, b)) else None)
+
+
+def on_accelerator():
+    """Whether computations run on a GPU/TPU (the default backend, read at trace time),
+    where every loop trip syncs its predicate with the host: the solvers then take
+    several cheap steps per trip (``check_every``, the Neumann adjoint)."""
+    return jax.default_backend() != "cpu"
 
 
 def stackable(values):

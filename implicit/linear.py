@@ -60,11 +60,6 @@ def _axpy(alpha, x, y):
     return jax.tree.map(lambda xi, yi: alpha * xi + yi, x, y)
 
 
-#: Full-precision products inside the solvers (a GPU's default float32 matmul is TF32,
-#: about 1e-3 relative: too coarse for an orthogonal basis).
-_EXACT = jax.lax.Precision.HIGHEST
-
-
 def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
     """Restarted GMRES on a flat vector: Arnoldi with classical Gram-Schmidt (a second
     pass when needed), Givens rotations for a running residual estimate, early exit
@@ -95,18 +90,12 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
             rep = _sharding.replicated(basis, w)  # Explicit meshes: n may be sharded
-            h = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep, precision=_EXACT), 0.0)
-            w = w - jnp.matmul(h, basis, precision=_EXACT)
-
-            def reorthogonalise(hw):
-                h, w = hw
-                h2 = jnp.where(mask, jnp.matmul(basis, w, out_sharding=rep, precision=_EXACT),
-                               0.0)
-                return h + h2, w - jnp.matmul(h2, basis, precision=_EXACT)
-
+            h = jnp.where(mask, _sharding.matmul(basis, w, out_sharding=rep), 0.0)
+            w = w - _sharding.matmul(h, basis)
             # A second Gram-Schmidt pass where the first cancelled much of w (DGKS):
             # computed always and selected (a conditional syncs with the host on a GPU).
-            h2, w2 = reorthogonalise((h, w))
+            h2 = jnp.where(mask, _sharding.matmul(basis, w, out_sharding=rep), 0.0)
+            h2, w2 = h + h2, w - _sharding.matmul(h2, basis)
             again = jnp.linalg.norm(w) < 0.7 * w_norm
             h, w = jnp.where(again, h2, h), jnp.where(again, w2, w)
             h_norm = jnp.linalg.norm(w)
@@ -116,7 +105,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             # The earlier rotations at once: rot is their product (identity past row j),
             # so one small matrix-vector product, not a loop of j trips (host syncs on
             # a GPU).
-            h = jnp.matmul(rot, h, precision=_EXACT)
+            h = _sharding.matmul(rot, h)
             a, bb = h[j], h[j + 1]
             radius = jnp.sqrt(a * a + bb * bb)
             radius = jnp.where(radius > 0, radius, 1)
@@ -134,7 +123,7 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
         used = jnp.arange(m) < j
         tri = jnp.where(used[:, None] & used[None, :], hess[:m], jnp.eye(m, dtype=dtype))
         y = jax.scipy.linalg.solve_triangular(tri, jnp.where(used, g[:m], 0.0), lower=False)
-        return x + jnp.matmul(y, basis[:m], precision=_EXACT), jnp.abs(g[j]), j
+        return x + _sharding.matmul(y, basis[:m]), jnp.abs(g[j]), j
 
     def outer_cond(c):
         _, residual, steps = c
@@ -182,14 +171,9 @@ def _diagonal(matvec, b, rtol, atol, max_steps):
 NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR = 8
 
 
-def _on_accelerator():
-    """Whether computations run on a GPU/TPU (the default backend, read at trace time)."""
-    return jax.default_backend() != "cpu"
-
-
 def _neumann(matvec, b, rtol, atol, max_steps):
     bound = atol + rtol * _norm(b)
-    every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _on_accelerator() else 1
+    every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _sharding.on_accelerator() else 1
 
     def cond(carry):
         _, err, k = carry

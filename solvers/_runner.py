@@ -423,7 +423,7 @@ def _default_check_every(on_accelerator):
     """``check_every=None``: 1 on CPU; on GPU/TPU, where every loop trip syncs its
     predicate with the host, ``on_accelerator`` (a solver's choice: several for cheap
     steps, 1 where a step costs a factorisation)."""
-    return 1 if jax.default_backend() == "cpu" else on_accelerator
+    return on_accelerator if _sharding.on_accelerator() else 1
 
 
 def options(

@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from implicit import _sharding
+
 __all__ = ["Structure", "structure", "MIN_BLOCK"]
 
 #: The smallest block size: fewer, larger blocks mean fewer (batched) operations over
@@ -302,12 +304,7 @@ class Structure:
 
 def _mv(a, x):
     """Block-wise ``a[k] @ x[k]``."""
-    return jnp.einsum("...ij,...j->...i", a, x, precision=jax.lax.Precision.HIGHEST)
-
-
-def _mm(a, b):
-    """``a @ b`` in full float32 (a GPU's default is TF32, about 1e-3 relative)."""
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("...ij,...j->...i", a, x, precision=_sharding.EXACT)
 
 
 def _shift(x, up=False):
@@ -325,8 +322,8 @@ def _block_lu(lo, d, up):
 
     def body(sinv_prev, inp):
         lo_i, d_i, up_p = inp
-        X = _mm(lo_i, sinv_prev)
-        sinv = jnp.linalg.inv(d_i - _mm(X, up_p))
+        X = _sharding.matmul(lo_i, sinv_prev)
+        sinv = jnp.linalg.inv(d_i - _sharding.matmul(X, up_p))
         return sinv, (X, sinv)
 
     _, (X, sinv) = jax.lax.scan(body, jnp.zeros_like(d[0]), (lo, d, up_prev))
@@ -339,14 +336,14 @@ def _block_lu_solve(factors, b):
 
     def fwd(y_prev, inp):  # L y = b
         X_i, b_i = inp
-        y = b_i - _mm(X_i, y_prev)
+        y = b_i - _sharding.matmul(X_i, y_prev)
         return y, y
 
     _, y = jax.lax.scan(fwd, jnp.zeros_like(b[0]), (X, b))
 
     def bwd(x_next, inp):  # U x = y
         sinv_i, up_i, y_i = inp
-        x = _mm(sinv_i, y_i - _mm(up_i, x_next))
+        x = _sharding.matmul(sinv_i, y_i - _sharding.matmul(up_i, x_next))
         return x, x
 
     _, x = jax.lax.scan(bwd, jnp.zeros_like(b[0]), (sinv, up, y), reverse=True)
@@ -370,15 +367,15 @@ def _reduce(lo, d, up):
             lo, up = jnp.concatenate([lo, zero]), jnp.concatenate([up, zero])
             d = jnp.concatenate([d, jnp.eye(d.shape[-1], dtype=d.dtype)[None]])
         d_inv = jnp.linalg.inv(d[1::2])  # partial pivoting inside each block (LAPACK)
-        w = _mm(d_inv, jnp.concatenate([lo[1::2], up[1::2]], -1))
-        left, right = _mm(lo[0::2], _shift(w)), _mm(up[0::2], w)
+        w = _sharding.matmul(d_inv, jnp.concatenate([lo[1::2], up[1::2]], -1))
+        left, right = _sharding.matmul(lo[0::2], _shift(w)), _sharding.matmul(up[0::2], w)
         levels.append((d_inv, w, jnp.concatenate([lo[0::2], up[0::2]], -1)))
         d = d[0::2] - left[..., B:] - right[..., :B]
         lo, up = -left[..., :B], -right[..., B:]
     m = d.shape[0]  # the rest, dense (LU with partial pivoting across all of it)
     # (placing blocks with a 0/1 matrix: in full precision, or a GPU rounds them to TF32)
     tail = sum(jnp.einsum("ij,iab->iajb", jnp.eye(m, k=k, dtype=d.dtype), blocks,
-                          precision=jax.lax.Precision.HIGHEST)
+                          precision=_sharding.EXACT)
                for k, blocks in ((-1, lo), (0, d), (1, up)))
     return tuple(levels), jnp.linalg.inv(tail.reshape(m * B, m * B))
 
@@ -397,7 +394,7 @@ def _reduced_solve(reduction, b):
         v = _mv(d_inv, b[1::2])
         vs.append(v)
         b = b[0::2] - _mv(coupling, jnp.concatenate([_shift(v), v], -1))
-    x = _mm(tail, b.reshape(-1)).reshape(b.shape)
+    x = _sharding.matmul(tail, b.reshape(-1)).reshape(b.shape)
     for (_, w, _), v, m in zip(levels[::-1], vs[::-1], sizes[::-1]):
         x_odd = v - _mv(w, jnp.concatenate([x, _shift(x, up=True)], -1))
         x = jnp.stack([x, x_odd], 1).reshape(-1, x.shape[-1])[:m]

@@ -235,8 +235,7 @@ def _anderson_method(fn, damping, regularization, history_size):
         slot = k % m
         ys = ys.at[slot].set(x_flat + damping * g)
         gs = gs.at[slot].set(g)
-        row = jnp.matmul(gs, g, out_sharding=_sharding.replicated(gs),  # (Explicit meshes)
-                         precision=jax.lax.Precision.HIGHEST)  # (not a GPU's TF32)
+        row = _sharding.matmul(gs, g, out_sharding=_sharding.replicated(gs))  # (Explicit)
         gram = gram.at[slot].set(row).at[:, slot].set(row)
         valid = jnp.arange(m) <= k
         a = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
@@ -250,8 +249,7 @@ def _anderson_method(fn, damping, regularization, history_size):
         alpha = alpha / jnp.sum(alpha)
         # A degenerate least-squares system (all residuals zero: no ridge) falls back to
         # a damped plain step.
-        x_new = jnp.where(jnp.all(jnp.isfinite(alpha)),
-                          jnp.matmul(alpha, ys, precision=jax.lax.Precision.HIGHEST), ys[slot])
+        x_new = jnp.where(jnp.all(jnp.isfinite(alpha)), _sharding.matmul(alpha, ys), ys[slot])
         return (unravel(x_new), *_runner.max_norms(g, fx), ys, gs, gram, k + 1)
 
     return _runner.Method(init=init, step=step, terminate=_progress, warmup=True)

@@ -10,8 +10,7 @@ before a GPU did. What it cannot show: TF32 matmuls and asynchronous host callba
 
 
 def pytest_configure(config):
-    import implicit.linear
-    import solvers._runner
+    import implicit._sharding
 
-    solvers._runner._default_check_every = lambda on_accelerator: on_accelerator
-    implicit.linear._on_accelerator = lambda: True
+    # (the one switch behind both defaults; TF32 and asynchronous callbacks stay CPU's)
+    implicit._sharding.on_accelerator = lambda: True

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
+import implicit._sharding
 import implicit.linear
 import solvers
 
@@ -144,7 +145,7 @@ def test_gmres_solution_with_many_restarts_matches_dense():
 
 @pytest.mark.parametrize("accelerator", [False, True])
 def test_neumann_takes_several_steps_per_trip_on_an_accelerator(monkeypatch, accelerator):
-    monkeypatch.setattr(implicit.linear, "_on_accelerator", lambda: accelerator)
+    monkeypatch.setattr(implicit._sharding, "on_accelerator", lambda: accelerator)
     rng = np.random.default_rng(2)
     M = 0.5 * np.linalg.qr(rng.standard_normal((8, 8)))[0]  # spectral radius 0.5
     b = rng.standard_normal(8)

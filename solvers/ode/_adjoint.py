@@ -440,8 +440,7 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
     ``gz_i · f(y_i, t_i)`` for the later times and ``-λ · f(y_0, t_0)`` for the first.
     """
     f0 = rhs(us[0], ts[0])
-    t_bar0 = -jnp.dot(lam, f0, out_sharding=_sharding.replicated(lam, f0),  # (Explicit)
-                      precision=jax.lax.Precision.HIGHEST)
+    t_bar0 = -_sharding.matmul(lam, f0, out_sharding=_sharding.replicated(lam, f0))
     z0_bar = lam + gz[0]
     dzs = jax.vmap(rhs)(us[1:], ts[1:])
     ts_bar = jnp.concatenate([t_bar0[None], jnp.sum(gz[1:] * dzs, axis=1)])

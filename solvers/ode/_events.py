@@ -115,8 +115,8 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
         # (shard_map: the cotangent has the type of the event value)
         g_y, g_t, g_th, g_evth = g_vjp(_sharding.vary_like(jnp.ones((), dtype), g_e))
         rep = _sharding.replicated(g_y, f_e)  # (a whole sharded state: an all-reduce)
-        D = jnp.dot(g_y, f_e, out_sharding=rep, precision=jax.lax.Precision.HIGHEST) + g_t
-        w = jnp.dot(y_bar, f_e, out_sharding=rep, precision=jax.lax.Precision.HIGHEST)
+        D = _sharding.matmul(g_y, f_e, out_sharding=rep) + g_t
+        w = _sharding.matmul(y_bar, f_e, out_sharding=rep)
         w = jnp.where(fired, (w + t_bar) / jnp.where(fired, D, 1), 0)
         cot = jnp.where(after, 0, gzs)
         cot = cot.at[T - 1].set(jnp.where(fired, y_bar - w * g_y, gzs[T - 1]))

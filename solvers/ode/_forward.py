@@ -136,14 +136,14 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
             if size:
                 parts.append(jnp.ravel(d).astype(dtype))
         p_dot = jnp.concatenate(parts)
-        dzs = jnp.einsum("tdn,d->tn", S, p_dot, precision=jax.lax.Precision.HIGHEST)
+        dzs = jnp.einsum("tdn,d->tn", S, p_dot, precision=_sharding.EXACT)
         if not _is_zero(dts):
             f = jax.vmap(lambda z, t: G(z, t, theta, const))(zs, ts)
             # An output time that moves moves its output along f; a start that moves
             # shifts the whole solution: dy_k/dt_0 = -∂y_k/∂y_0 · f(y_0, t_0).
             dzs = dzs + f * dts[:, None]
             dzs = dzs - jnp.einsum("tdn,d->tn", S[:, :N], f[0] * dts[0],
-                                   precision=jax.lax.Precision.HIGHEST)
+                                   precision=_sharding.EXACT)
         dzs = dzs.at[0].set(parts[0] if use_z0 else jnp.zeros((N,), dtype))
         if on_failure == "nan":
             dzs = jnp.where(stats.status == _integrate.NOT_FAILED, dzs, jnp.nan)

@@ -10,8 +10,9 @@ that the dot is faster: 1.0 against 2.3 µs at 6 x 6 x 128).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from implicit import _sharding
 
 __all__ = ["matmul", "FUSED_MAX"]
 
@@ -27,6 +28,4 @@ def matmul(A, B):
         return matmul(A, B[:, None])[:, 0]
     if A.shape[0] * A.shape[1] * B.shape[1] <= FUSED_MAX:
         return jnp.sum(A[:, :, None] * B[None], axis=1)
-    # Full float32 where a dot is emitted: a GPU's default is TF32 (about 1e-3 relative),
-    # too coarse for a step's increments and its error estimate.
-    return jnp.matmul(A, B, precision=jax.lax.Precision.HIGHEST)
+    return _sharding.matmul(A, B)  # (full precision: see _sharding.EXACT)

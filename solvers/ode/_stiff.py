@@ -27,11 +27,6 @@ NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tol
 NEWTON_MAX_STEPS = 8
 
 
-def _dot(w, ks):
-    """Tableau weights times stage values, in full float32 (a GPU's default is TF32)."""
-    return jnp.matmul(w, ks, precision=jax.lax.Precision.HIGHEST)
-
-
 def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, structure=None):
     """The :class:`~solvers.ode._integrate.Stepper` of an ESDIRK pair with explicit first stage.
 
@@ -119,8 +114,8 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         def stage(i, carry):
             ks, ok, fevals = carry
             k_u = ks[:, :n_ctrl]
-            base = u + h * _dot(a[i], k_u)
-            guess = base + hg * _dot(pred[i], k_u)
+            base = u + h * _sharding.matmul(a[i], k_u)
+            guess = base + hg * _sharding.matmul(pred[i], k_u)
             t = s + c[i] * h
             U, info = simplified_newton(guess, base, hg, t, solve_M)
             k = (U - base) / hg
@@ -134,8 +129,8 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         ks, ok, fevals = _sharding.fori_loop(
             1, stages, stage, (ks, jnp.bool_(True), jnp.zeros((), jnp.int32))
         )
-        z1 = z + h * _dot(jnp.asarray(tab.b, dtype), ks)
-        err = h * _dot(jnp.asarray(tab.b_error, dtype), ks[:, :n_ctrl])
+        z1 = z + h * _sharding.matmul(jnp.asarray(tab.b, dtype), ks)
+        err = h * _sharding.matmul(jnp.asarray(tab.b_error, dtype), ks[:, :n_ctrl])
         return z1, err, ks, (ks[-1],), (k0,), ok, (fevals, 1, 1)
 
     def diff_step(s, z, cache, h, ks_star, eps=None):
@@ -156,7 +151,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         eye = None if structure is not None else jnp.eye(n_ctrl, dtype=dtype)
 
         def stage(i, ks):
-            base = z + h * _dot(a[i], ks)
+            base = z + h * _sharding.matmul(a[i], ks)
             U_star = jax.lax.stop_gradient(base + hg * ks_star[i])
             t = s + c[i] * h
             if structure is not None:
@@ -182,8 +177,8 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
             return ks.at[i].set((U - base) / hg)
 
         ks = _sharding.fori_loop(1, stages, stage, ks)
-        z1 = z + h * _dot(jnp.asarray(tab.b, dtype), ks)
-        err = h * _dot(jnp.asarray(tab.b_error, dtype), ks)
+        z1 = z + h * _sharding.matmul(jnp.asarray(tab.b, dtype), ks)
+        err = h * _sharding.matmul(jnp.asarray(tab.b_error, dtype), ks)
         if eps is not None:  # (a perturbation where the local error is made)
             z1 = z1 + eps
         return z1, (ks[-1],), ks, err
