@@ -15,6 +15,8 @@ backward pass). Statuses are the codes of :mod:`solvers._status`.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -471,11 +473,11 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     return ctrl, z_new, cache, (accept, s, h, z, ks)
 
 
-def _save_checkpoint(ck, accept, ctrl, z, cache, C):
+def _save_checkpoint(ck, hit, ctrl, z, cache, C):
     """Keep the carry every ``spacing`` accepted steps in ``C`` slots (``spacing`` doubles,
-    and every other checkpoint is dropped, when they are full: memory stays ``C`` states)."""
+    and every other checkpoint is dropped, when they are full: memory stays ``C`` states).
+    ``hit``: the step loop has just reached a multiple of ``spacing`` accepted steps."""
     bufs, spacing = ck
-    hit = accept & (ctrl.num_accepted % spacing == 0)
 
     def thin(bufs):
         return jax.tree.map(
@@ -491,8 +493,6 @@ def _save_checkpoint(ck, accept, ctrl, z, cache, C):
                             (ctrl.pack(), z, cache))
         return bufs, spacing
 
-    # Taken once every `spacing` accepted steps: one conditional per step instead of a
-    # select and a write per leaf of the carry.
     return _sharding.cond_once(hit, save, lambda *ck: ck, bufs, spacing, explicit=False)
 
 
@@ -601,9 +601,10 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         def going(ctrl):
             return (ctrl.s < target) & (ctrl.status == NOT_FAILED) & (ctrl.num_steps < budget)
 
-        def cond(c):
+        def cond(c, stop_at=None):
             ctrl = Controller.unpack(c.ctrl)
-            return going(ctrl) if event is None else going(ctrl) & ~c.ev.fired
+            go = going(ctrl) if event is None else going(ctrl) & ~c.ev.fired
+            return go if stop_at is None else go & (ctrl.num_accepted < stop_at)
 
         def body(c):
             ctrl, z, cache, last_step, rec, ck, ev = c
@@ -648,8 +649,6 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 ctrl = ctrl._replace(status=status.astype(i32))
             if progress is not None:
                 jax.debug.callback(progress, ctrl.s, accept & active, t0, t_end)
-            if checkpoint:
-                ck = _save_checkpoint(ck, accept, ctrl, z, cache, C)
             if not jumps:
                 # Kept whether accepted or not: the loop only stops on a target passed
                 # (after an accepted step), an event (ditto) or a failure (the outputs
@@ -665,7 +664,25 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 )
             return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev)
 
-        return _sharding.while_loop(cond, body, carry)
+        if not checkpoint:
+            return _sharding.while_loop(cond, body, carry)
+
+        # With checkpoints: an outer loop of windows, each the step loop up to the next
+        # multiple of `spacing` accepted steps, then the checkpoint. The step loop does not
+        # carry the checkpoints: updated in it (even once in W steps, under a cond), they
+        # cost about 1 us per step on CPU (bdf on Robertson: 0.57 ms of a 0.56 ms solve).
+        def window(c):
+            start = Controller.unpack(c.ctrl).num_accepted
+            stop_at = (start // c.ck[1] + 1) * c.ck[1]
+            inner = _sharding.while_loop(
+                functools.partial(cond, stop_at=stop_at), body, c._replace(ck=None)
+            )
+            ctrl = Controller.unpack(inner.ctrl)
+            hit = (ctrl.num_accepted == stop_at)
+            ck = _save_checkpoint(c.ck, hit, ctrl, inner.z, inner.cache, C)
+            return inner._replace(ck=ck)
+
+        return _sharding.while_loop(cond, window, carry)
 
     def per_time(carry, j):
         target = ts[j]
