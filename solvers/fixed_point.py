@@ -49,7 +49,9 @@ def fixed_point(
       x0: initial guess (pytree of arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated.
       method: ``"iterate"`` or ``"anderson"``.
-      damping: step fraction in ``(0, 1]`` (also Anderson's mixing parameter).
+      damping: step fraction in ``(0, 1]`` (also Anderson's mixing parameter). A
+        concrete 1 (the default) compiles the undamped step ``x <- f(x)``, one pass over
+        the iterate fewer; other values, traced or not, share one compiled program.
       history_size: Anderson's memory (``method="anderson"``).
       regularization: Anderson's relative ridge.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
@@ -101,11 +103,14 @@ def fixed_point(
             linear_solver=_auto_linear_solver(method, damping, rule, on_failure, x0)
         )
     dtype = jnp.result_type(*jax.tree.leaves(x0))
+    # A concrete damping of 1 is no damping: the step is f(x) itself (None), one pass over
+    # the iterate fewer per step than x + 1 * (f(x) - x).
+    undamped = _checks._is_concrete(damping) and float(damping) == 1
     return _runner.dispatch(
         _solve,
         x0,
         args,
-        _checks.as_scalar(damping, dtype),
+        None if undamped else _checks.as_scalar(damping, dtype),
         _checks.as_scalar(regularization, dtype),
         *_checks.tolerances(rtol, atol, dtype),
         options=opts,
@@ -184,8 +189,15 @@ def _progress(state):
     return _runner.Progress(error, scale)
 
 
+def _damped(x, g, fx, damping):
+    """``x + damping g`` (``g = f(x) - x``), or ``f(x)`` itself for ``damping=None`` (1)."""
+    if damping is None:
+        return fx
+    return jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
+
+
 def _iterate_method(fn, damping, regularization, history_size):
-    """Plain (damped) iteration ``x <- x + damping (f(x) - x)``.
+    """Plain (damped) iteration ``x <- x + damping (f(x) - x)`` (``damping=None``: 1).
 
     State ``(x, error, scale)``: a step evaluates ``f`` at ``x`` once, records the test's
     error ``max|f(x) - x|`` and scale ``max|f(x)|`` of ``x`` and moves on to the next
@@ -199,8 +211,7 @@ def _iterate_method(fn, damping, regularization, history_size):
         x = state[0]
         fx = fn(x)
         g = jax.tree.map(jnp.subtract, fx, x)
-        x = jax.tree.map(lambda xi, gi: xi + damping * gi, x, g)
-        return x, *_runner.max_norms(g, fx)
+        return _damped(x, g, fx, damping), *_runner.max_norms(g, fx)
 
     return _runner.Method(init=_init, step=step, terminate=_progress, warmup=True)
 
@@ -233,7 +244,9 @@ def _anderson_method(fn, damping, regularization, history_size):
         g = ravel_pytree(fx)[0] - x_flat
         m = ys.shape[0]
         slot = k % m
-        ys = ys.at[slot].set(x_flat + damping * g)
+        # (x + g even undamped: written from g, XLA fuses it with g's computation;
+        # storing f(x) itself measured 15% slower per step)
+        ys = ys.at[slot].set(x_flat + g if damping is None else x_flat + damping * g)
         gs = gs.at[slot].set(g)
         row = _sharding.matmul(gs, g, out_sharding=_sharding.replicated(gs))  # (Explicit)
         gram = gram.at[slot].set(row).at[:, slot].set(row)

@@ -221,9 +221,15 @@ def test_different_tolerances_do_not_recompile():
         calls.append(1)
         return 0.5 * (x + a / x)
 
-    solvers.fixed_point(f, 2.0, 2.0, rtol=1e-3, linear_solver="gmres")
+    solvers.fixed_point(f, 2.0, 2.0, rtol=1e-3, damping=0.8, linear_solver="gmres")
     traced = len(calls)
     solvers.fixed_point(f, 2.0, 2.0, rtol=1e-6, atol=1e-7, damping=0.9, linear_solver="gmres")
+    assert len(calls) == traced
+    # damping=1 (the default) is plain iteration, a program of its own (no damping pass),
+    # compiled once too.
+    solvers.fixed_point(f, 2.0, 2.0, rtol=1e-3, linear_solver="gmres")
+    traced = len(calls)
+    solvers.fixed_point(f, 2.0, 2.0, rtol=1e-6, atol=1e-7, linear_solver="gmres")
     assert len(calls) == traced
 
 
