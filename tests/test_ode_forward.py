@@ -267,7 +267,20 @@ def test_forward_mode_failure_follows_on_failure(x64):
 def test_forward_with_bdf_or_an_event_is_refused_clearly():
     f = lambda y, t: -y  # noqa: E731
     ts = jnp.array([0.0, 1.0])
-    with pytest.raises(ValueError, match="adjoint='forward' supports"):
+    with pytest.raises(ValueError, match="adjoint='forward' supports.*forward_adaptive"):
         odeint(f, 1.0, ts, method="bdf", adjoint="forward")
     with pytest.raises(ValueError, match="event= is differentiated in reverse mode"):
         odeint(f, 1.0, ts, adjoint="forward", event=lambda y, t: y - 0.5)
+
+
+def test_forward_mode_with_bdf_names_forward_adaptive(x64):
+    # bdf's reverse adjoint refused by forward mode names the adjoint that works for bdf
+    # ('forward' does not), and that one gives d/dk exp(-k) = -exp(-k).
+    def final(k, **kw):
+        return odeint(lambda y, t, k: -k * y, 1.0, jnp.array([0.0, 1.0]), k, method="bdf",
+                      rtol=1e-10, atol=1e-12, **kw)[-1]
+
+    with pytest.raises(TypeError, match="adjoint='forward_adaptive'"):
+        jax.jacfwd(final)(2.0)
+    np.testing.assert_allclose(jax.jacfwd(lambda k: final(k, adjoint="forward_adaptive"))(2.0),
+                               -np.exp(-2.0), rtol=1e-7)

@@ -331,8 +331,8 @@ def odeint(
     if adjoint == "forward" and method == "bdf":
         raise ValueError(
             "adjoint='forward' supports method='dopri5', 'tsit5' and 'kvaerno5', not 'bdf' "
-            "(its multistep state is not differentiated step by step yet): use another "
-            "adjoint, or one of those methods for forward mode"
+            "(its multistep state is not differentiated step by step yet): for forward "
+            "mode with bdf pass adjoint='forward_adaptive', or use one of those methods"
         )
     if event is not None and adjoint in FORWARD_ADJOINTS:
         raise ValueError(
@@ -407,8 +407,11 @@ def odeint(
         message=_message(solver, opts.max_steps, event),
         forward_hint=(
             f"adjoint={adjoint!r} is reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
-            "pass adjoint='forward' (forward sensitivities) for forward mode (jax.jvp, "
-            "jax.jacfwd, jax.hessian)"
+            + ("pass adjoint='forward_adaptive' (forward mode through the integration; "
+               "adjoint='forward' does not support bdf) for forward mode (jax.jvp, "
+               "jax.jacfwd)" if method == "bdf" else
+               "pass adjoint='forward' (forward sensitivities) for forward mode (jax.jvp, "
+               "jax.jacfwd, jax.hessian)")
         ),
     )
 
