@@ -90,12 +90,16 @@ def _gmres(matvec, b, rtol, atol, max_steps, restart=10):
             mask = rows <= j
             w_norm = jnp.linalg.norm(w)
             rep = _sharding.replicated(basis, w)  # Explicit meshes: n may be sharded
-            h = jnp.where(mask, _sharding.matmul(basis, w, out_sharding=rep), 0.0)
-            w = w - _sharding.matmul(h, basis)
+
+            def gram_schmidt(w):  # (w's coefficients on the basis, w less its projection)
+                h = jnp.where(mask, _sharding.matmul(basis, w, out_sharding=rep), 0.0)
+                return h, w - _sharding.matmul(h, basis)
+
+            h, w = gram_schmidt(w)
             # A second Gram-Schmidt pass where the first cancelled much of w (DGKS):
             # computed always and selected (a conditional syncs with the host on a GPU).
-            h2 = jnp.where(mask, _sharding.matmul(basis, w, out_sharding=rep), 0.0)
-            h2, w2 = h + h2, w - _sharding.matmul(h2, basis)
+            h2, w2 = gram_schmidt(w)
+            h2 = h + h2
             again = jnp.linalg.norm(w) < 0.7 * w_norm
             h, w = jnp.where(again, h2, h), jnp.where(again, w2, w)
             h_norm = jnp.linalg.norm(w)

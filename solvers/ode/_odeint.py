@@ -407,13 +407,17 @@ def odeint(
         message=_message(solver, opts.max_steps, event),
         forward_hint=(
             f"adjoint={adjoint!r} is reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
-            + ("pass adjoint='forward_adaptive' (forward mode through the integration; "
-               "adjoint='forward' does not support bdf) for forward mode (jax.jvp, "
-               "jax.jacfwd)" if method == "bdf" else
-               "pass adjoint='forward' (forward sensitivities) for forward mode (jax.jvp, "
-               "jax.jacfwd, jax.hessian)")
+            f"pass {FORWARD_HINTS[method == 'bdf']} for forward mode"
         ),
     )
+
+
+#: The forward-mode adjoint to advise, by ``method == "bdf"``.
+FORWARD_HINTS = (
+    "adjoint='forward' (forward sensitivities: jax.jvp, jax.jacfwd, jax.hessian)",
+    "adjoint='forward_adaptive' (forward mode through the integration: jax.jvp, "
+    "jax.jacfwd; adjoint='forward' does not support bdf)",
+)
 
 
 def _check_real(y0):
