@@ -577,10 +577,13 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
 
     def substeps(z, theta, s, h):
         # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
-        # derivative there (the next step's FSAL cache).
+        # derivative there (the next step's FSAL cache). Each substep is rematerialised
+        # in the backward pass: REFINE states are kept, not REFINE x stages of f's
+        # intermediates (a neural ODE's gradient: 198 -> 70 MB of XLA temp memory).
         st = stepper_of(theta)
         hs = h / REFINE
 
+        @jax.checkpoint
         def body(i, z):
             si = s + i * hs
             return st.step(si, z, st.init(si, z), hs)[0]
