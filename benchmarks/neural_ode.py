@@ -25,13 +25,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._common import OURS, Row, compile_time, print_table, run_times_interleaved
+from benchmarks._common import (
+    OURS,
+    Row,
+    compile_time,
+    print_table,
+    run_times_interleaved,
+    temp_memory_bytes,
+)
 
 jax.config.update("jax_enable_x64", True)  # the float64 reference; timed runs are float32
 
 DIM, WIDTH, BATCH = 64, 256, 512
 T1 = 1.0
 RTOL = ATOL = 1e-5
+# The equal-accuracy row: ours at this tolerance still has a gradient error below jax
+# odeint's at RTOL (measured on CPU: 1.8e-5 against 4.0e-4).
+LOOSE_TOL = 1e-2
 ROUNDS = 10
 GRAD_ERROR_NOTE = "grad error = max over (W1, b1, W2) of max|g - g_ref| / max|g_ref|"
 
@@ -53,12 +63,12 @@ def loss(y1):
     return jnp.mean(y1**2)
 
 
-def ours(method, **kw):
+def ours(method, rtol=RTOL, atol=ATOL, **kw):
     import solvers
 
     def solve(params, y0):
         ys = solvers.odeint(field, y0, jnp.array([0.0, T1], y0.dtype), *params,
-                            method=method, rtol=RTOL, atol=ATOL, **kw)
+                            method=method, rtol=rtol, atol=atol, **kw)
         return ys[-1]
 
     return solve
@@ -106,7 +116,9 @@ def measure(name, group, solve, params, y0, ref):
     _, grads = compiled_vg(params)
     err = max(float(np.max(np.abs(np.asarray(g) - r)) / np.max(np.abs(r)))
               for g, r in zip(grads, ref))
-    row = Row(name, group, {"compile s": compile_s, "grad error": err})
+    temp = temp_memory_bytes(compiled_vg)
+    row = Row(name, group, {"compile s": compile_s, "grad error": err,
+                            "grad temp MB": None if temp is None else temp / 2**20})
     row.calls = {"solve ms": lambda: compiled(params),
                  "value-and-grad ms": lambda: compiled_vg(params)}
     print(f"  {name}: compile {compile_s:.2f} s, grad error {err:.2e}", flush=True)
@@ -133,6 +145,9 @@ def main():
                 params, y0, ref),
         measure("ours tsit5 (backsolve adjoint)", OURS, ours("tsit5", adjoint="backsolve"),
                 params, y0, ref),
+        measure(f"ours tsit5 (backsolve adjoint), rtol = atol = {LOOSE_TOL:g}", OURS,
+                ours("tsit5", rtol=LOOSE_TOL, atol=LOOSE_TOL, adjoint="backsolve"),
+                params, y0, ref),
         measure("jax.experimental.ode.odeint", "peer", jax_odeint(), params, y0, ref),
         measure("diffrax Dopri5 RecursiveCheckpointAdjoint", "peer",
                 diffrax_solver("Dopri5", "RecursiveCheckpointAdjoint"), params, y0, ref),
@@ -148,8 +163,9 @@ def main():
     print_table(
         "Neural ODE: value and gradient of mean(y(1)²) w.r.t. (W1, b1, W2)",
         rows,
-        ["compile s", "solve ms", "value-and-grad ms", "grad error"],
-        ratio_columns=["compile s", "solve ms", "value-and-grad ms", "grad error"],
+        ["compile s", "solve ms", "value-and-grad ms", "grad temp MB", "grad error"],
+        ratio_columns=["compile s", "solve ms", "value-and-grad ms", "grad temp MB",
+                       "grad error"],
     )
     for note in (
         f"{GRAD_ERROR_NOTE}; reference: jax odeint in float64, rtol = atol = 1e-11.",
@@ -157,6 +173,10 @@ def main():
         "compile of jit(value_and_grad(loss)).",
         "ours: default adjoint and on_failure='raise' (the failure check compiled in) unless "
         "the row says otherwise.",
+        f"rtol = atol = {LOOSE_TOL:g}: a looser tolerance whose gradient error is still below "
+        f"jax odeint's at {RTOL:g} (at {RTOL:g}, measured on CPU: jax odeint's y(1) is 1.5e-4 "
+        "off after 20 evaluations of f, ours 2.5e-6 after 26).",
+        "grad temp MB: XLA's temporary memory of the compiled value-and-grad (MiB).",
     ):
         print(f"- {note}")
     print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
