@@ -19,6 +19,11 @@ where LAPACK's LU and its triangular solves are a call each (in a ``while_loop``
 from n = 5 on). A solve is then one matrix-vector product, and :func:`factor` returns the
 inverse (its permutation ``None``).
 
+LAPACK (and cuSOLVER) factor no 16-bit floats: a float16 or bfloat16 matrix is factored
+in float32 (:func:`factorable`), its factors stay float32, and a solve returns its
+right-hand side's dtype. (Gauss–Jordan's few unknowns too, so that the factors' dtype
+does not depend on the size.)
+
 XLA does not partition an LU factorisation. A matrix split over an Explicit mesh (the
 Jacobian of one whole sharded state) is gathered first, so every device factors the
 whole matrix, as a sharded ``jit`` on an Auto mesh does by itself; a solution comes back
@@ -33,9 +38,9 @@ import jax.numpy as jnp
 
 from implicit import _sharding
 
-__all__ = ["factor", "solve", "solve_transpose", "iteration_factor", "iteration_solve",
-           "factor_solve", "with_permutation", "inverse", "solve_positive_definite",
-           "INVERSE_MAX", "GAUSS_JORDAN_MAX"]
+__all__ = ["factor", "factorable", "solve", "solve_transpose", "iteration_factor",
+           "iteration_solve", "factor_solve", "with_permutation", "inverse",
+           "solve_positive_definite", "INVERSE_MAX", "GAUSS_JORDAN_MAX"]
 
 #: The largest iteration matrix inverted by :func:`iteration_factor` (larger: LU).
 INVERSE_MAX = 64
@@ -43,6 +48,16 @@ INVERSE_MAX = 64
 #: The largest matrix inverted by Gauss–Jordan elimination (:func:`inverse`) instead of
 #: factored by LAPACK (:func:`factor`, :func:`iteration_factor`).
 GAUSS_JORDAN_MAX = 4
+
+
+def factorable(a):
+    """``a`` in a dtype LAPACK factors: 16-bit floats as float32."""
+    return a.astype(jnp.float32) if jnp.finfo(a.dtype).bits < 32 else a
+
+
+def _like(x, b):
+    """The solution ``x`` of a solve in ``b``'s dtype, split like ``b``."""
+    return _sharding.split_like(x.astype(b.dtype), b)
 
 
 def _gauss_jordan(m, pivoting):
@@ -85,7 +100,7 @@ def solve_positive_definite(a, b):
 def factor(a):
     """The factors of the square matrix ``a`` for :func:`solve`: ``(lu, permutation)``, its
     LU; up to :data:`GAUSS_JORDAN_MAX` unknowns ``(a⁻¹, None)``."""
-    a = _sharding.gathered(a)
+    a = factorable(_sharding.gathered(a))
     if a.shape[-1] <= GAUSS_JORDAN_MAX:
         return inverse(a), None
     lu, _, permutation = jax.lax.linalg.lu(a)
@@ -101,15 +116,15 @@ def factor_solve(a, b):
     (4.6 of 16.8 µs per solve at n = 64 in a ``while_loop``; the augmented solve: 11.8).
     ``factors``: ``(lu, pivots)``; up to :data:`GAUSS_JORDAN_MAX` unknowns
     ``(a⁻¹, None)``."""
-    a = _sharding.gathered(a)
+    a = factorable(_sharding.gathered(a))
     n = a.shape[-1]
     if n <= GAUSS_JORDAN_MAX:
         factors = inverse(a), None
         return solve(factors, b), factors
-    augmented = jnp.concatenate([a, _sharding.gathered(b)[:, None]], axis=-1)
+    augmented = jnp.concatenate([a, _sharding.gathered(b)[:, None].astype(a.dtype)], axis=-1)
     lu, pivots, _ = jax.lax.linalg.lu(augmented)
     x = jax.lax.linalg.triangular_solve(lu[:, :n], lu[:, n:], left_side=True, lower=False)
-    return _sharding.split_like(x[:, 0], b), (lu[:, :n], pivots)
+    return _like(x[:, 0], b), (lu[:, :n], pivots)
 
 
 def with_permutation(factors):
@@ -126,11 +141,11 @@ def solve(factors, b):
     lu, permutation = factors
     if permutation is None:  # the inverse
         return iteration_solve((lu,), b)
-    rhs = _sharding.gathered(b)[permutation.astype("int32"), None]
+    rhs = _sharding.gathered(b)[permutation.astype("int32"), None].astype(lu.dtype)
     y = jax.lax.linalg.triangular_solve(lu, rhs, left_side=True, lower=True,
                                         unit_diagonal=True)
     x = jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)[:, 0]
-    return _sharding.split_like(x, b)
+    return _like(x, b)
 
 
 def solve_transpose(factors, b):
@@ -142,12 +157,12 @@ def solve_transpose(factors, b):
     lu, permutation = factors
     if permutation is None:  # the inverse
         return iteration_solve((lu.T,), b)
-    y = jax.lax.linalg.triangular_solve(lu, _sharding.gathered(b)[:, None], left_side=True,
-                                        lower=False, transpose_a=True)
+    y = jax.lax.linalg.triangular_solve(lu, _sharding.gathered(b)[:, None].astype(lu.dtype),
+                                        left_side=True, lower=False, transpose_a=True)
     z = jax.lax.linalg.triangular_solve(lu, y, left_side=True, lower=True, transpose_a=True,
                                         unit_diagonal=True)[:, 0]
     x = jnp.zeros_like(z).at[permutation.astype("int32")].set(z)
-    return _sharding.split_like(x, b)
+    return _like(x, b)
 
 
 def iteration_factor(a):
@@ -168,6 +183,6 @@ def iteration_factor(a):
 def iteration_solve(factors, b):
     """``a⁻¹ b`` for ``factors = iteration_factor(a)``; ``b`` a vector."""
     if len(factors) == 1:
-        x = _sharding.matmul(factors[0], _sharding.gathered(b))
-        return _sharding.split_like(x, b)
+        x = _sharding.matmul(factors[0], _sharding.gathered(b).astype(factors[0].dtype))
+        return _like(x, b)
     return solve(factors, b)

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from implicit import _sharding
+from implicit import _lu, _sharding
 
 __all__ = ["Structure", "structure", "MIN_BLOCK"]
 
@@ -252,7 +252,9 @@ class Structure:
         dtype = blocks.dtype
         d = jnp.where(jnp.asarray(self._pad), jnp.ones((), dtype), blocks[1])
         blocks = blocks.at[1].set(d)
-        return self._elimination()[0](blocks[0], d, blocks[2]), blocks
+        # (16-bit floats eliminated in float32: LAPACK inverts no 16-bit blocks)
+        lo, d, up = (_lu.factorable(v) for v in (blocks[0], d, blocks[2]))
+        return self._elimination()[0](lo, d, up), blocks
 
     def _elimination(self):
         """``(factor, solve)`` on blocks: cyclic reduction for blocks of up to
@@ -281,7 +283,9 @@ class Structure:
         """``A⁻¹ b`` (original order) from ``elimination``, the first of :meth:`factor`'s
         factors (no ``custom_linear_solve``: for loops that are not differentiated)."""
         solve = self._elimination()[1]
-        return self._from_blocks(solve(elimination, self._to_blocks(b)))
+        dtype = jax.tree.leaves(elimination)[0].dtype  # (float32 for 16-bit b: factor)
+        xb = solve(elimination, self._to_blocks(b).astype(dtype))
+        return self._from_blocks(xb).astype(b.dtype)
 
     def solve(self, factors, b):
         """``A⁻¹ b`` (original order) for ``factors = factor(A)``; a

@@ -63,7 +63,8 @@ def bisection(
         ``EXPAND_TRIES`` (50) times per element (``F`` at an end non-finite: stop). An
         element still without a sign change fails with status ``no_sign_change``.
       rtol, atol: tolerances on the bracket width (defaults follow the dtype: 1e-5/1e-6
-        in float32, 1e-8/1e-10 in float64).
+        in float32, 1e-8/1e-10 in float64, 4 eps/0.4 eps in
+        float16 and bfloat16).
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver; ``"auto"`` (default) is ``"diagonal"``, the

@@ -55,7 +55,8 @@ def fixed_point(
       history_size: Anderson's memory (``method="anderson"``).
       regularization: Anderson's relative ridge.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
-        1e-8/1e-10 in float64); the adjoint linear solve uses ``rtol / 10``.
+        1e-8/1e-10 in float64, 4 eps/0.4 eps in
+        float16 and bfloat16); the adjoint linear solve uses ``rtol / 10``.
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`). ``"auto"``

@@ -95,7 +95,8 @@ def minimize(
         projected condition: zero for coordinates at an active bound (one for the bound
         itself), the reduced Hessian's for the free ones.
       rtol, atol: tolerances of the gradient test above (defaults follow the dtype:
-        1e-5/1e-6 in float32, 1e-8/1e-10 in float64).
+        1e-5/1e-6 in float32, 1e-8/1e-10 in float64, 4 eps/0.4 eps in
+        float16 and bfloat16).
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver with the Hessian (see :mod:`implicit.linear`);

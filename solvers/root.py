@@ -98,7 +98,8 @@ def root(
         every trial point are projected into the box (e.g. to keep ``F`` in its domain).
         A root outside the box ends the solve as ``no_decrease``.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
-        1e-8/1e-10 in float64); the adjoint linear solve uses ``rtol / 10`` (its test is
+        1e-8/1e-10 in float64, 4 eps/0.4 eps in
+        float16 and bfloat16); the adjoint linear solve uses ``rtol / 10`` (its test is
         on the 2-norm of the whole residual).
       max_steps: iteration cap.
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).

@@ -26,10 +26,13 @@ def error_ratio(err, z0, z1, rtol, atol, n_ctrl):
 def rms(v, scale):
     """``sqrt(mean((v / scale)²))``, whose derivative at ``v = 0`` is zero (the norm's
     subgradient), not ``sqrt``'s infinite one times zero (NaN): the step sizes read it, and
-    ``adjoint="forward_adaptive"`` differentiates them."""
-    ms = jnp.mean(jnp.square(v / scale))
+    ``adjoint="forward_adaptive"`` differentiates them. Accumulated in float32 at least (a
+    float16 state's squares overflow from a ratio of 256 on), returned in ``v``'s dtype."""
+    acc = jnp.promote_types(jnp.result_type(v), jnp.float32)
+    ms = jnp.mean(jnp.square(v.astype(acc) / jnp.asarray(scale).astype(acc)))
     positive = ms > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, ms, 1.0)), 0.0)
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, ms, 1.0)), 0.0).astype(
+        jnp.result_type(v))
 
 
 def pi_factor(ratio, ratio_prev, accept, *, beta1, beta2):
