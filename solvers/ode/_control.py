@@ -27,12 +27,17 @@ def rms(v, scale):
     """``sqrt(mean((v / scale)²))``, whose derivative at ``v = 0`` is zero (the norm's
     subgradient), not ``sqrt``'s infinite one times zero (NaN): the step sizes read it, and
     ``adjoint="forward_adaptive"`` differentiates them. Accumulated in float32 at least (a
-    float16 state's squares overflow from a ratio of 256 on), returned in ``v``'s dtype."""
-    acc = jnp.promote_types(jnp.result_type(v), jnp.float32)
+    float16 state's squares overflow from a ratio of 256 on), returned in ``v``'s dtype (a
+    finite ratio past float16's range as its largest value: a large error, not a non-finite
+    one)."""
+    dtype = jnp.result_type(v)
+    acc = jnp.promote_types(dtype, jnp.float32)
     ms = jnp.mean(jnp.square(v.astype(acc) / jnp.asarray(scale).astype(acc)))
     positive = ms > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, ms, 1.0)), 0.0).astype(
-        jnp.result_type(v))
+    r = jnp.where(positive, jnp.sqrt(jnp.where(positive, ms, 1.0)), 0.0)
+    if acc != dtype:
+        r = jnp.where(jnp.isfinite(r), jnp.minimum(r, jnp.finfo(dtype).max), r)
+    return r.astype(dtype)
 
 
 def pi_factor(ratio, ratio_prev, accept, *, beta1, beta2):

@@ -24,6 +24,7 @@ from implicit import _lu
 __all__ = ["implicit_stepper", "NEWTON_KAPPA", "NEWTON_MAX_STEPS"]
 
 NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tolerance
+# (its relative part no lower than 10 eps, as bdf's)
 NEWTON_MAX_STEPS = 8
 
 
@@ -59,7 +60,9 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
         """Simplified Newton on ``U - base - hγ f(U, t) = 0``, ``solve_M(r)`` solving with
         the step's ``M = I - hγJ``, stopping as :func:`solvers.root.newton` does."""
         dtype = guess.dtype
-        r_tol = NEWTON_KAPPA * rtol
+        # (floored at 10 eps, as bdf's: a stage solve cannot stop below rounding, and
+        # float32 at rtol 1e-7, or any 16-bit float, would never converge)
+        r_tol = jnp.maximum(NEWTON_KAPPA * rtol, 10 * jnp.finfo(dtype).eps)
         a_tol = NEWTON_KAPPA * atol
 
         def cond(st):
