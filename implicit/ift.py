@@ -202,7 +202,7 @@ def _implicit_solve(
         ok, relative = linear.converged(kind, matvec, b, x, rtol=tol[0], atol=tol[1])
         if on_failure == "raise":
             everywhere = _all(ok)
-            worst = jnp.max(jnp.stack([jnp.max(r) for r in jax.tree.leaves(relative)]))
+            worst = jnp.max(jnp.stack([jnp.max(r, initial=0.0) for r in jax.tree.leaves(relative)]))
             flag = host_check(
                 everywhere, _adjoint_failure(linear_solver), (everywhere, worst, tol[0])
             )

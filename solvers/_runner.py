@@ -143,7 +143,7 @@ class Method(NamedTuple):
 
 
 def _leaf_max_norm(leaf):
-    norm = jnp.max(jnp.abs(leaf))
+    norm = jnp.max(jnp.abs(leaf), initial=0.0)  # (0: an empty leaf)
     if _sharding.on_several_devices(leaf):
         # NaN is tested for apart: a max over devices (a sharded array's all-reduce)
         # may drop a NaN that a max on one device keeps; a NaN must never pass the test.

@@ -193,7 +193,7 @@ def _gauss_newton_step(r, j, x):
 def _error(x, f, r, j, rtol):
     """The test's error (see the module docstring) and the Gauss–Newton step."""
     h = _gauss_newton_step(r, j, x)
-    error = jnp.max(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
+    error = jnp.max(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0), initial=0.0)
     return jnp.where(jnp.isfinite(f), error, jnp.nan), h
 
 

@@ -418,3 +418,29 @@ def test_a_fresh_function_per_call_warns_once():
         for a in (2.0, 3.0, 4.0, 5.0):
             solvers.fixed_point(_sqrt_update, a, a)
     assert not [w for w in caught if "compiled again" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["fixed_point", "root newton", "root broyden", "minimize",
+                                  "least_squares", "bisection", "odeint dopri5",
+                                  "odeint kvaerno5", "odeint bdf"])
+def test_an_empty_unknown_is_solved_as_empty(name):
+    # Nothing to solve: an empty result (and gradient), as for any array op; before, the
+    # max-norms of root, minimize, least_squares and kvaerno5 had no identity ("zero-size
+    # array to reduction operation max").
+    empty = jnp.ones(0)
+    ts = jnp.array([0.0, 1.0])
+    solve = {
+        "fixed_point": lambda a: solvers.fixed_point(lambda x, a: x / 2 + a, empty, a),
+        "root newton": lambda a: solvers.root(lambda x, a: x - a, empty, a),
+        "root broyden": lambda a: solvers.root(lambda x, a: x - a, empty, a, method="broyden"),
+        "minimize": lambda a: solvers.minimize(lambda x, a: jnp.sum((x - a) ** 2), empty, a),
+        "least_squares": lambda a: solvers.least_squares(lambda x, a: x - a, empty, a),
+        "bisection": lambda a: solvers.bisection(lambda x, a: x - a, empty - 2, empty + 1, a),
+        "odeint dopri5": lambda a: solvers.odeint(lambda y, t, a: -a * y, empty, ts, a)[-1],
+        "odeint kvaerno5": lambda a: solvers.odeint(lambda y, t, a: -a * y, empty, ts, a,
+                                                    method="kvaerno5")[-1],
+        "odeint bdf": lambda a: solvers.odeint(lambda y, t, a: -a * y, empty, ts, a,
+                                               method="bdf")[-1],
+    }[name]
+    assert solve(empty).shape == (0,)
+    assert jax.grad(lambda a: jnp.sum(solve(a)))(empty).shape == (0,)

@@ -74,11 +74,11 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
             r = U - base - hg * rhs(U, t)[:n_ctrl]
             d = -solve_M(r)
             U_new = U + d
-            err = jnp.max(jnp.abs(d))
+            err = jnp.max(jnp.abs(d), initial=0.0)
             rate = err / prev
             scaled = jnp.where((it > 0) & (rate < 0.5), err * rate / (1 - rate), err)
             bad = ~jnp.all(jnp.isfinite(U_new))
-            conv = ~bad & (scaled <= a_tol + r_tol * jnp.max(jnp.abs(U_new)))
+            conv = ~bad & (scaled <= a_tol + r_tol * jnp.max(jnp.abs(U_new), initial=0.0))
             return it + 1, jnp.where(bad, U, U_new), err, conv, bad
 
         st = (jnp.zeros((), jnp.int32), guess, jnp.full((), jnp.inf, dtype), jnp.bool_(False),
