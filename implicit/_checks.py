@@ -283,9 +283,28 @@ def check_times(ts, name: str = "ts", dtype=None):
 
 
 def box_bounds(lower, upper, x0):
-    """``(lower, upper)`` as pytrees like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
-    return tuple(_bound(b, x0, name, default) for b, name, default in
-                 ((lower, "lower", -jnp.inf), (upper, "upper", jnp.inf)))
+    """``(lower, upper)`` as pytrees like ``x0`` (a scalar broadcasts; ``None``: unbounded).
+
+    Concrete bounds must satisfy ``lower <= upper`` elementwise (an empty box has no
+    solution to return: refused here, not clipped into garbage); traced ones are taken as
+    given."""
+    lo, up = (_bound(b, x0, name, default) for b, name, default in
+              ((lower, "lower", -jnp.inf), (upper, "upper", jnp.inf)))
+    pairs = zip(jax.tree_util.tree_flatten_with_path(lo)[0], jax.tree.leaves(up))
+    for (path, lo_leaf), up_leaf in pairs:
+        if not (_is_concrete(lo_leaf) and _is_concrete(up_leaf)):
+            continue
+        lo_np = np.asarray(lo_leaf, np.float64)
+        up_np = np.asarray(up_leaf, np.float64)
+        bad = np.argwhere(~(lo_np <= up_np))  # (NaN bounds too)
+        if bad.size:
+            i = tuple(int(k) for k in bad[0])
+            where = f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
+            raise ValueError(
+                f"`lower` must be <= `upper` elementwise (and not NaN): lower{where} = "
+                f"{float(lo_np[i])!r}, upper{where} = {float(up_np[i])!r}"
+            )
+    return lo, up
 
 
 def _bound(bound, x0, name, default):

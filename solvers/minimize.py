@@ -88,7 +88,8 @@ def minimize(
       has_aux: ``fun`` returns ``(value, aux)``; ``aux`` at the solution is returned too
         (differentiable: it is recomputed at ``x*``).
       history_size: L-BFGS memory (number of ``(s, y)`` pairs).
-      lower, upper: optional box bounds (scalars, or pytrees like ``x0``): the guess and
+      lower, upper: optional box bounds (scalars, or pytrees like ``x0``; ``lower <= upper``,
+        checked when they are concrete): the guess and
         every trial point are projected into the box, directions keep the coordinates
         at an active bound fixed, and the stopping test is on the projected gradient
         ``x - clip(x - ∇fun(x), lower, upper)``. The derivative of ``x*`` comes from that

@@ -282,3 +282,9 @@ def test_inactive_bounds_change_nothing_and_bad_bounds_are_reported(x64):
     np.testing.assert_allclose(g, np.linalg.inv(A), rtol=1e-6)
     with pytest.raises(ValueError, match="`upper` must be a scalar or a pytree shaped like x0"):
         solvers.minimize(quadratic, jnp.zeros(3), a, b, upper=jnp.zeros(2))
+    # An empty box: refused at call time (it returned lower, clipped, with no error).
+    with pytest.raises(ValueError, match=r"`lower` must be <= `upper`.*lower\[1\] = 2.0"):
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=jnp.array([0.0, 2.0, 0.0]),
+                         upper=1.0)
+    with pytest.raises(ValueError, match=r"`lower` must be <= `upper`.*nan"):
+        solvers.root(lambda x: x - 1.0, jnp.zeros(2), lower=jnp.nan)
