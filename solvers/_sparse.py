@@ -283,8 +283,7 @@ class Structure:
         """``A⁻¹ b`` (original order) from ``elimination``, the first of :meth:`factor`'s
         factors (no ``custom_linear_solve``: for loops that are not differentiated)."""
         solve = self._elimination()[1]
-        dtype = jax.tree.leaves(elimination)[0].dtype  # (float32 for 16-bit b: factor)
-        xb = solve(elimination, self._to_blocks(b).astype(dtype))
+        xb = solve(elimination, _lu.factorable(self._to_blocks(b)))  # (as factor lifted)
         return self._from_blocks(xb).astype(b.dtype)
 
     def solve(self, factors, b):

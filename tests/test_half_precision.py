@@ -49,46 +49,51 @@ def _contraction(x, m, b):
     return m @ x + b
 
 
+def _same(m):
+    return m
+
+
+def _one_minus(m):  # x = M x + b: (I - M) x = b
+    return np.eye(N) - m
+
+
 CASES = {
-    # name: (solve(matrix, b) -> x*, matrix, x* = inv(K) b with K:)
-    "root newton": (lambda a, b: solvers.root(_linear_root, 0 * b, a, b), A64, A64),
+    # name: (solve(matrix, b) -> x*, matrix, K(rounded matrix)): x* = K⁻¹ b
+    "root newton": (lambda a, b: solvers.root(_linear_root, 0 * b, a, b), A64, _same),
     "root chord": (lambda a, b: solvers.root(_linear_root, 0 * b, a, b, method="chord"),
-                   A64, A64),
+                   A64, _same),
     "root broyden": (lambda a, b: solvers.root(_linear_root, 0 * b, a, b, method="broyden"),
-                     A64, A64),
+                     A64, _same),
     "root dogleg": (lambda a, b: solvers.root(_linear_root, 0 * b, a, b, method="dogleg"),
-                    A64, A64),
+                    A64, _same),
     "fixed_point dense adjoint": (
         lambda m, b: solvers.fixed_point(_contraction, 0 * b, m, b, linear_solver="dense"),
-        M64, np.eye(N) - M64),
+        M64, _one_minus),
     "fixed_point anderson": (
         lambda m, b: solvers.fixed_point(_contraction, 0 * b, m, b, method="anderson"),
-        M64, np.eye(N) - M64),
-    "minimize lbfgs": (lambda q, b: solvers.minimize(_quadratic, 0 * b, q, b), Q64, Q64),
+        M64, _one_minus),
+    "minimize lbfgs": (lambda q, b: solvers.minimize(_quadratic, 0 * b, q, b), Q64, _same),
     "minimize newton-cg": (lambda q, b: solvers.minimize(_quadratic, 0 * b, q, b,
-                                                         method="newton-cg"), Q64, Q64),
+                                                         method="newton-cg"), Q64, _same),
     "least_squares levenberg-marquardt": (
-        lambda a, b: solvers.least_squares(_linear_root, 0 * b, a, b), A64, A64),
+        lambda a, b: solvers.least_squares(_linear_root, 0 * b, a, b), A64, _same),
     "least_squares gauss-newton": (
         lambda a, b: solvers.least_squares(_linear_root, 0 * b, a, b, method="gauss-newton"),
-        A64, A64),
+        A64, _same),
 }
 
 
 @pytest.mark.parametrize("dtype", MATRIX_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", list(CASES))
 def test_solution_and_gradient_in_half_precision(name, dtype):
-    solve, matrix, k = CASES[name]
+    solve, matrix, system = CASES[name]
     rtol = _checks.default_tolerances(dtype)[0]
     m, b = jnp.asarray(matrix, dtype), jnp.asarray(B64, dtype)
     x = jax.jit(solve)(m, b)
     g = jax.jit(jax.grad(lambda b: jnp.sum(solve(m, b))))(b)
     assert x.dtype == dtype and g.dtype == dtype
     # The oracle for the matrix as rounded to the dtype (its rounding is the input's).
-    k = np.asarray(jnp.asarray(k, dtype), np.float64) if k is not matrix else np.asarray(
-        m, np.float64)
-    if name.startswith("fixed_point"):
-        k = np.eye(N) - np.asarray(m, np.float64)
+    k = system(np.asarray(m, np.float64))
     b64 = np.asarray(b, np.float64)
     assert _rel(x, np.linalg.solve(k, b64)) < BOUND * rtol
     assert _rel(g, np.linalg.solve(k.T, np.ones(N))) < BOUND * rtol

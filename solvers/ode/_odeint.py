@@ -410,17 +410,17 @@ def odeint(
         message=_message(solver, opts.max_steps, event),
         forward_hint=(
             f"adjoint={adjoint!r} is reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
-            f"pass {FORWARD_HINTS[method == 'bdf']} for forward mode"
+            f"pass {FORWARD_HINTS.get(method, FORWARD_HINT)} for forward mode"
         ),
     )
 
 
-#: The forward-mode adjoint to advise, by ``method == "bdf"``.
-FORWARD_HINTS = (
-    "adjoint='forward' (forward sensitivities: jax.jvp, jax.jacfwd, jax.hessian)",
-    "adjoint='forward_adaptive' (forward mode through the integration: jax.jvp, "
-    "jax.jacfwd; adjoint='forward' does not support bdf)",
-)
+#: The forward-mode adjoint to advise (``FORWARD_HINTS``: the methods that differ).
+FORWARD_HINT = "adjoint='forward' (forward sensitivities: jax.jvp, jax.jacfwd, jax.hessian)"
+FORWARD_HINTS = {
+    "bdf": "adjoint='forward_adaptive' (forward mode through the integration: jax.jvp, "
+           "jax.jacfwd; adjoint='forward' does not support bdf)",
+}
 
 
 def _check_real(y0):
