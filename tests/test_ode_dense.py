@@ -150,16 +150,19 @@ def test_dense_outside_span_is_nan_and_so_is_its_gradient(x64):
         _, info = odeint(decay, 1.0, jnp.array([0.0, 2.0]), k, dense=64, full_output=True)
         return info.solution.evaluate(t)
 
-    vals = np.asarray(y_at(0.5, jnp.array([-0.5, 0.0, 2.0, 2.5])))
-    assert np.isnan(vals[0]) and np.isnan(vals[3])
-    np.testing.assert_allclose(vals[1:3], [1.0, np.exp(-1.0)], rtol=1e-5)
-    assert np.isnan(float(jax.grad(y_at)(0.5, 2.5)))
-    # A time inside gets its derivative even when others in the batch are outside (a
-    # loss that does not use the NaN values).
-    g = jax.grad(lambda k: y_at(k, jnp.array([1.0, 3.0]))[0])(0.5)
-    np.testing.assert_allclose(float(g), -np.exp(-0.5), rtol=1e-5)
-    # At t0 itself: y = y0, dy/dk = 0.
-    np.testing.assert_allclose(float(jax.grad(y_at)(0.5, 0.0)), 0.0, atol=1e-12)
+    # One compile: the values at times before, at and inside the span, at its end and
+    # after it, and the derivative of each (jacrev: each row is the gradient of a loss
+    # using that value alone, while the others in the batch are NaN).
+    ts = jnp.array([-0.5, 0.0, 1.0, 2.0, 2.5])
+    vals, jac = map(np.asarray, jax.jit(
+        lambda k: (y_at(k, ts), jax.jacrev(y_at)(k, ts)))(0.5))
+    assert np.isnan(vals[0]) and np.isnan(vals[4])
+    np.testing.assert_allclose(vals[1:4], np.exp(-0.5 * np.array([0.0, 1.0, 2.0])), rtol=1e-5)
+    assert np.isnan(jac[0]) and np.isnan(jac[4])
+    # d/dk exp(-k t) = -t exp(-k t): 0 at t0 itself (y = y0).
+    np.testing.assert_allclose(jac[1], 0.0, atol=1e-12)
+    np.testing.assert_allclose(jac[2:4], -np.array([1.0, 2.0]) * np.exp(-0.5 * np.array(
+        [1.0, 2.0])), rtol=1e-5)
 
 
 def test_dense_capacity_too_small_says_so(x64):
