@@ -7,7 +7,9 @@ are at most as many unknowns as residuals, ``jax.jacrev`` otherwise):
   ``diag(JᵀJ)`` seen so far (Moré's scaling, invariant to the units of each unknown)
   and Nielsen's damping update: a step with gain ratio ``ρ > 0`` is taken and
   ``μ <- μ max(1/3, 1 - (2ρ - 1)³)``, a rejected one multiplies ``μ`` by ``ν`` (doubling
-  ``ν`` after each rejection in a row);
+  ``ν`` after each rejection in a row); where the decrease is below the rounding of
+  ``0.5 ||r||²`` (near a minimum with non-zero residuals) a step passing the line
+  search's approximate Wolfe test is taken, ``μ <- μ / 3``;
 - ``"gauss-newton"``: the least-squares step ``h = -J⁺ r`` (``jnp.linalg.lstsq``, fine
   with a rank-deficient ``J``) and the backtracking Armijo line search of
   :func:`solvers.minimize`.
@@ -28,7 +30,7 @@ from jax.flatten_util import ravel_pytree
 
 from implicit import _checks, _lu, _sharding
 from solvers import _runner, _status
-from solvers.minimize import auto_linear_solver, line_search
+from solvers.minimize import approximate_wolfe, auto_linear_solver, line_search
 
 __all__ = ["least_squares"]
 
@@ -225,8 +227,17 @@ def _levenberg_marquardt(evaluate, rtol):
         f_new, (r_new, j_new) = evaluate(x_new)
         predicted = 0.5 * _sharding.dot(h, mu * d * h - g)  # the model's decrease, > 0
         rho = (f - f_new) / jnp.where(predicted > 0, predicted, 1.0)
-        ok = jnp.isfinite(f_new) & jnp.all(jnp.isfinite(h)) & (predicted > 0) & (rho > 0)
-        factor = jnp.maximum(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3)
+        measured = (predicted > 0) & (rho > 0)
+        # Near a minimum with non-zero residuals the decrease falls below the rounding
+        # of f before the step test can pass: there the step is judged by the slope
+        # along it, still exact (the line search's approximate Wolfe test), and μ
+        # decreases as for a good model.
+        slope = _sharding.dot(g, h)
+        g_new = _sharding.split_like(_sharding.dot(j_new.T, r_new), x)
+        rounding = approximate_wolfe(f, f_new, slope, _sharding.dot(g_new, h))
+        ok = jnp.isfinite(f_new) & jnp.all(jnp.isfinite(h)) & (slope < 0) & (measured | rounding)
+        factor = jnp.where(measured, jnp.maximum(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3),
+                           1.0 / 3.0)
         mu = jnp.where(ok, mu * factor, mu * nu)
         nu = jnp.where(ok, 2.0, 2.0 * nu)
         x, f, r, j = (jnp.where(ok, new, old)

@@ -287,6 +287,16 @@ def _solve(
 # --- the line search, shared with least_squares -----------------------------------------
 
 
+def approximate_wolfe(f, f_t, slope, dphi):
+    """Hager and Zhang's approximate Wolfe test of a step along ``d`` from ``x`` to
+    ``x_t``, for where ``f`` no longer decreases measurably: ``f(x_t)`` within ``32 eps
+    |f|`` of ``f(x)`` (the rounding floor of the values) and ``0.8 |slope| >= dphi >= 0.9
+    slope``, ``slope = ∇f(x)ᵀd < 0``, ``dphi = ∇f(x_t)ᵀd``: the step is judged by the
+    derivative, still exact there. False for NaN."""
+    floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(f)
+    return (f_t <= f + floor) & (dphi <= -0.8 * slope) & (dphi >= 0.9 * slope)
+
+
 def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False, box=None, g=None):
     """Backtrack from ``t0`` until ``f(x + t d) <= f(x) + 1e-4 t slope`` (Armijo).
 
@@ -304,14 +314,11 @@ def line_search(evaluate, x, f, slope, d, t0, derivative, skip=False, box=None, 
     ``f(P(x + t d)) <= f(x) + 1e-4 ∇f(x)ᵀ(P(x + t d) - x)`` (``g``: ``∇f(x)``).
     """
     skip = jnp.asarray(skip, bool)
-    floor = 32 * jnp.finfo(f.dtype).eps * jnp.abs(f)
 
     def accepted(t, x_t, f_t, extra):
         decrease = t * slope if box is None else _sharding.dot(g, x_t - x)
         armijo = f_t <= f + _ARMIJO * decrease  # False for NaN
-        dphi = derivative(extra)
-        approximate = (f_t <= f + floor) & (dphi <= -0.8 * slope) & (dphi >= 0.9 * slope)
-        return armijo | approximate
+        return armijo | approximate_wolfe(f, f_t, slope, derivative(extra))
 
     def trial(t):
         x_t = x + t * d
