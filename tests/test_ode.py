@@ -461,6 +461,19 @@ def test_nan_at_the_step_budget_is_reported_as_nonfinite(x64):
     assert "increase max_steps" not in msg
 
 
+def test_step_underflow_in_float32_says_float64_resolves_shorter_steps(x64):
+    # y' = y² from y(1000) = 1 blows up at t = 1001. In float32, near t = 1000 a step under
+    # 10 eps |t| ~ 1.2e-3 cannot be told from t: the steps underflow before the blow-up,
+    # and the message says so. In float64 the integration reaches the blow-up itself.
+    ts = np.array([1000.0, 1002.0])
+    msg = _message(lambda: odeint(lambda y, t: y**2, jnp.float32(1.0), ts.astype("float32")))
+    assert "'step_underflow'" in msg, msg
+    assert "in float32 a step shorter than 10 eps |t| = 0.0012" in msg, msg
+    assert "jax_enable_x64" in msg
+    msg = _message(lambda: odeint(lambda y, t: y**2, 1.0, jnp.asarray(ts)))
+    assert "'nonfinite'" in msg and "failed at t=1001 " in msg and "float32" not in msg, msg
+
+
 def test_backward_nan_message(x64):
     # The forward pass is finite; the right-hand side's derivative is not (d/dy sqrt(0)).
     def f(y, t, k):
