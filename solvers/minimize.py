@@ -382,24 +382,26 @@ def _first_step(g):
 def _method(value_and_grad, init_memory, direction, update, box=None):
     """The runner's :class:`~solvers._runner.Method` for a direction and its update.
 
-    ``direction(state) -> (d, t0, steepest)``; ``update(memory, s, y, ok) -> memory``
+    ``direction(state, free) -> (d, t0, steepest)``; ``update(memory, s, y, ok) -> memory``
     (``ok``: the line search succeeded; the memory is reset by the caller otherwise).
     With ``box``, the coordinates at an active bound (the gradient pushing outwards) are
     kept fixed, the fallback direction is the projected gradient, and the line search
-    projects its trials.
+    projects its trials; ``free`` (else None) marks the other coordinates, on which a
+    method with curvature products restricts them (the Newton direction of the free
+    coordinates needs ``∇²f`` restricted to them, not the whole Hessian's solve).
     """
 
     def step(state):
         x, f, g = state.x, state.f, state.g
         fallback = -g
         if box is None:
-            d, t0, steepest = direction(state)
+            d, t0, steepest = direction(state, None)
         else:
             # The method works on the free coordinates: the gradient's active part is left
             # out of its direction (then the direction descends: -g_Fᵀ H_FF g_F < 0) and
             # of its memory (see below).
             active = ((x <= box[0]) & (g > 0)) | ((x >= box[1]) & (g < 0))
-            d, t0, steepest = direction(state._replace(g=jnp.where(active, 0.0, g)))
+            d, t0, steepest = direction(state._replace(g=jnp.where(active, 0.0, g)), ~active)
             d = jnp.where(active, 0.0, d)
             fallback = -_stationarity(x, g, box)
         slope = _sharding.dot(g, d)
@@ -493,7 +495,7 @@ def _gradient(value_and_grad, history_size):
     def init(x0):
         return jnp.bool_(True)  # before the first step
 
-    def direction(state):
+    def direction(state, free):
         t0 = jnp.where(state.memory, _first_step(state.g), 2.0 * state.t)
         return -state.g, t0, jnp.bool_(True)
 
@@ -519,7 +521,7 @@ def _lbfgs(value_and_grad, history_size):
         zeros = _sharding.rows_like(x0, m)  # (split like x0 on an Explicit mesh)
         return _LBFGSMemory(zeros, zeros, jnp.zeros((m,), x0.dtype), jnp.int32(0))
 
-    def direction(state):
+    def direction(state, free):
         mem, g = state.memory, state.g
         count = jnp.minimum(mem.k, m)
 
@@ -567,7 +569,7 @@ def _bfgs(value_and_grad, history_size):
     def init(x0):
         return jnp.eye(x0.size, dtype=x0.dtype), jnp.bool_(True)
 
-    def direction(state):
+    def direction(state, free):
         h, fresh = state.memory
         d = -_sharding.split_like(_sharding.dot(h, state.g), state.g)
         return d, jnp.where(fresh, _first_step(state.g), 1.0), fresh
@@ -601,9 +603,12 @@ def _newton_cg(value_and_grad, history_size):
     def init(x0):
         return None
 
-    def direction(state):
+    def direction(state, free):
         g = state.g
         hvp = jax.linearize(grad, state.x)[1]
+        if free is not None:  # ∇²f on the free coordinates (a box's active ones fixed)
+            full = hvp
+            hvp = lambda p: jnp.where(free, full(jnp.where(free, p, 0.0)), 0.0)  # noqa: E731
         gnorm = jnp.sqrt(jnp.sum(g * g))
         tol = jnp.minimum(0.5, jnp.sqrt(gnorm)) * gnorm
         max_iter = min(_CG_MAX_STEPS, 2 * g.size + 10)

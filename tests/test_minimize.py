@@ -256,6 +256,27 @@ def test_bounds_solution_and_implicit_derivative(method, x64):
     np.testing.assert_allclose(jax.grad(lambda hi: solve(c, hi)[2])(1.0), 1.0, rtol=1e-8)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_coupled_bounds_nonnegative_least_squares_against_scipy_nnls(method, x64):
+    # min 0.5 |A x - b|² with x >= 0 at the default tolerances: a Hessian AᵀA that couples
+    # the free coordinates to the active ones (newton-cg solved with the whole Hessian, not
+    # its free block, and stagnated: float64, 1 of these 8; float32, 3).
+    import scipy.optimize
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((8, 40, 15))
+    b = rng.standard_normal((8, 40))
+
+    def solve(a, b):
+        return solvers.minimize(lambda x, a, b: 0.5 * jnp.sum((a @ x - b) ** 2),
+                                jnp.full(15, 0.5), a, b, method=method, lower=0.0,
+                                max_steps=5000)
+
+    xs = np.asarray(jax.jit(jax.vmap(solve))(jnp.asarray(a), jnp.asarray(b)))
+    for x, ai, bi in zip(xs, a, b):
+        np.testing.assert_allclose(x, scipy.optimize.nnls(ai, bi)[0], atol=1e-6)
+
+
 def test_bounds_rosenbrock_against_scipy_lbfgsb(x64):
     import scipy.optimize
 
