@@ -101,10 +101,20 @@ def custom_root(
         @functools.wraps(solver)
         def wrapped(x0, *args):
             x0 = _checks.canonicalize(x0)
-            return _implicit_solve(
-                residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, max_steps,
-                on_failure, preconditioner,
-            )
+            try:
+                return _implicit_solve(
+                    residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol,
+                    max_steps, on_failure, preconditioner,
+                )
+            except TypeError as err:  # JAX's words for it do not say what to do
+                if rule != "vjp" or "forward-mode" not in str(err):
+                    raise
+                raise TypeError(
+                    "implicit.custom_root(rule='vjp') is a custom_vjp rule: reverse mode only "
+                    "(jax.grad, jax.vjp, jax.jacrev); forward-mode differentiation (jax.jvp, "
+                    "jax.jacfwd, jax.hessian) needs rule='jvp' (with a linear linear_solver "
+                    "such as 'gmres' or 'dense')"
+                ) from err
 
         return wrapped
 

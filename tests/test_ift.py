@@ -62,6 +62,14 @@ def test_jvp_rule_forward_mode(linear_solver):
     np.testing.assert_allclose(jax.grad(newton_sqrt)(2.0), 0.5 / np.sqrt(2.0), rtol=1e-6)
 
 
+def test_forward_mode_of_a_vjp_rule_says_to_pass_rule_jvp():
+    # (JAX's own words: "can't apply forward-mode autodiff (jvp) to a custom_vjp function")
+    newton_sqrt = _newton_sqrt()
+    for forward in (jax.jacfwd, jax.hessian, lambda f: lambda a: jax.jvp(f, (a,), (1.0,))):
+        with pytest.raises(TypeError, match=r"custom_root\(rule='vjp'\).*needs rule='jvp'"):
+            forward(newton_sqrt)(2.0)
+
+
 def _linear_system_solver(rule, linear_solver):
     # Residual A x - b(theta) with a pytree unknown; solution by a dense solve (the
     # solver is opaque to the engine: its derivative must come from the IFT).
