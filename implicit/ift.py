@@ -287,9 +287,11 @@ def _adjoint_failure(linear_solver):
     name = linear_solver if isinstance(linear_solver, str) else "<callable>"
 
     def report(operands):
-        ok, relative, rtol = (np.asarray(v) for v in operands)
+        # (under vmap, e.g. jax.jacrev, every operand may come batched, rtol too)
+        ok, relative, rtol = np.broadcast_arrays(*(np.asarray(v) for v in operands))
         if np.all(ok):
             return
+        rtol = rtol[~ok].flat[0]  # the first failed solve's
         worst = float(np.nanmax(np.where(ok, 0.0, np.nan_to_num(relative, nan=np.inf))))
         what = (f"relative residual {worst:.3e}" if np.isfinite(worst) else
                 "non-finite solution (a singular system, or an iteration that missed its "

@@ -151,6 +151,26 @@ def test_noisy_fits_converge_to_scipys_minimum(model, dtype, rtol, close, x64):
             assert np.max(np.abs(jac.T @ residual)) <= 1e-10 * scale
 
 
+def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
+    # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
+    # implicit gradient does not exist. The dense adjoint's LU still returned finite
+    # values (rounding leaves its pivots non-zero) that solve nothing: a gradient of
+    # O(1) garbage, with no error. Now its residual (3.3 x norm(b)) is checked; the
+    # message was also unreadable under jacrev ("only 0-dimensional arrays can be
+    # converted to Python scalars": its operands come batched there).
+    rng = np.random.default_rng(0)
+    a, b = jnp.asarray(rng.standard_normal((2, 4))), jnp.asarray(rng.standard_normal(2))
+
+    def fit(b, **kw):
+        return solvers.least_squares(lambda x, b: a @ x - b, jnp.zeros(4), b, **kw)
+
+    for method in METHODS:
+        with pytest.raises(Exception, match=r"adjoint linear solve \(linear_solver='dense'\) "
+                                            r"did not converge: relative residual .*4 of 4"):
+            jax.block_until_ready(jax.jacrev(lambda b: fit(b, method=method))(b))
+        assert np.all(np.isnan(jax.jacrev(lambda b: fit(b, method=method, on_failure="nan"))(b)))
+
+
 def test_jit_vmap(x64):
     ys = jnp.stack([P_TRUE[0] * jnp.exp(-P_TRUE[1] * T), 2.0 * jnp.exp(-0.5 * T)])
     solve = jax.jit(lambda y: solvers.least_squares(exp_fit, jnp.ones(2), T, y))

@@ -277,6 +277,19 @@ def test_coupled_bounds_nonnegative_least_squares_against_scipy_nnls(method, x64
         np.testing.assert_allclose(x, scipy.optimize.nnls(ai, bi)[0], atol=1e-6)
 
 
+def test_singular_hessian_at_the_minimum_has_no_gradient_and_says_so(x64):
+    # 0.5 xᵀHx - aᵀx with H of rank 2 (in a rotated basis): a plane of minimisers, no
+    # implicit gradient. The dense adjoint's LU returned a finite "gradient" of 1e16.
+    q = np.linalg.qr(np.random.default_rng(1).standard_normal((4, 4)))[0]
+    h = jnp.asarray(q[:, :2] @ np.diag([1.0, 3.0]) @ q[:, :2].T)
+
+    def total(a):
+        return solvers.minimize(lambda x, a: 0.5 * x @ h @ x - a @ x, jnp.zeros(4), a).sum()
+
+    with pytest.raises(Exception, match=r"linear_solver='dense'\) did not converge"):
+        jax.block_until_ready(jax.grad(total)(h @ jnp.ones(4)))
+
+
 def test_bounds_rosenbrock_against_scipy_lbfgsb(x64):
     import scipy.optimize
 
