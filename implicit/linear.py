@@ -16,7 +16,8 @@ Methods (``linear_solver=``):
   residual ``F(x) = f(x) - x`` of a contraction ``f`` the system is
   ``(J - I) x = b``, and the iteration ``x <- x + matvec(x) - b`` is the Neumann series
   ``x = -(b + J b + J^2 b + ...)``. Converges when the spectral radius of ``J`` is
-  below one; a solve that does not converge returns NaN (never a silent wrong value).
+  below one; it stops at its tolerance, at ``max_steps`` or at its rounding floor, and
+  a result more than 10x off its tolerance is NaN (never a silent wrong value).
 - ``"diagonal"``: the exact solve ``x = b / matvec(1)`` of a *diagonal* system (an
   elementwise residual, as in the bracketed solvers): one ``matvec``. Its convergence
   check is elementwise, so one failed element leaves the others' derivatives intact.
@@ -175,24 +176,39 @@ def _diagonal(matvec, b, rtol, atol, max_steps):
 NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR = 8
 
 
+#: Neumann steps without a new smallest residual after which the iteration has reached
+#: its rounding floor and stops (see :func:`_neumann`).
+NEUMANN_STALL = 64
+
+
 def _neumann(matvec, b, rtol, atol, max_steps):
+    """The Neumann iteration until its residual meets the tolerance, ``max_steps``, or
+    :data:`NEUMANN_STALL` steps without a new smallest residual (its rounding floor,
+    about ``eps / (1 - ρ)`` relative for a spectral radius ``ρ``: above float32's
+    tolerance as ``ρ`` nears 1). Its result passes within the 10x slack that
+    :func:`converged` gives iterative solves, else it is NaN."""
     bound = atol + rtol * _norm(b)
     every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _sharding.on_accelerator() else 1
 
     def cond(carry):
-        _, err, k = carry
-        return (err > bound) & (k < max_steps) & ~jnp.isnan(err)
+        _, err, k, _, k_best = carry
+        return ((err > bound) & (k < max_steps) & ~jnp.isnan(err)
+                & (k - k_best < NEUMANN_STALL))
 
     def body(carry):
-        x, _, k = carry
+        x, _, k, best, k_best = carry
         for _ in range(every):
             r = jax.tree.map(jnp.subtract, matvec(x), b)  # r = A x - b
             x = jax.tree.map(jnp.add, x, r)
-        return x, _norm(r), k + every
+        err = _norm(r)
+        lower = err < best
+        return (x, err, k + every, jnp.where(lower, err, best),
+                jnp.where(lower, k + every, k_best))
 
     x0 = jax.tree.map(jnp.negative, b)
-    x, err, _ = _sharding.while_loop(cond, body, (x0, jnp.asarray(jnp.inf, bound.dtype), 0))
-    ok = err <= bound
+    inf = jnp.asarray(jnp.inf, bound.dtype)
+    x, err, *_ = _sharding.while_loop(cond, body, (x0, inf, 0, inf, 0))
+    ok = err <= 10 * bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
 

@@ -89,6 +89,32 @@ def test_tanh_layer_gradients_match_finite_differences(x64, method, linear_solve
     np.testing.assert_allclose(g_scale, fd, rtol=1e-6)
 
 
+def test_float32_slow_contraction_default_adjoint_against_float64_ift():
+    # tanh(W x + c) with W = 0.99 Q (Q orthogonal): the Jacobian's spectral radius at the
+    # fixed point is 0.971. In float32 the default Neumann adjoint's residual floors at
+    # about eps / (1 - 0.971), 4x above its tolerance (rtol / 10): it ran to max_steps
+    # and raised. It now stops at its floor, within the 10x slack iterative solves get.
+    rng = np.random.default_rng(1)
+    w64 = 0.99 * np.linalg.qr(rng.standard_normal((30, 30)))[0]
+    c64 = 0.1 * rng.standard_normal(30)
+    w, c = jnp.asarray(w64, jnp.float32), jnp.asarray(c64, jnp.float32)
+
+    def loss(c):
+        return jnp.sum(solvers.fixed_point(lambda x, w, c: jnp.tanh(w @ x + c),
+                                           jnp.zeros(30), w, c, max_steps=5000) ** 2)
+
+    g = np.asarray(jax.grad(loss)(c), np.float64)
+    w64, c64 = np.asarray(w, np.float64), np.asarray(c, np.float64)  # (the rounded data)
+    x = np.zeros(30)
+    for _ in range(100_000):
+        x, previous = np.tanh(w64 @ x + c64), x
+        if np.max(np.abs(x - previous)) < 1e-15:
+            break
+    s = 1.0 - x**2
+    want = s * np.linalg.solve((np.eye(30) - s[:, None] * w64).T, 2.0 * x)
+    np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
 def test_pytree_state_and_namedtuple():
     class State(NamedTuple):
         u: jnp.ndarray

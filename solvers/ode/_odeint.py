@@ -753,13 +753,12 @@ def _message(solver, max_steps, event=None):
             f"failed at t={t:.6g} after {steps} steps, {rejected} rejected, last error ratio "
             f"{ratio:.3g}"
         )
-        dtype = np.asarray(info.t_final).dtype
-        if (int(np.asarray(info.status)[first]) == _status.STEP_UNDERFLOW
-                and np.finfo(dtype).bits < 64):
-            shortest = 10 * float(np.finfo(dtype).eps) * abs(t)
-            text += (f"; in {dtype} a step shorter than 10 eps |t| = {shortest:.2g} cannot be "
-                     f"told from t there: float64 times (jax_enable_x64) resolve "
-                     f"{float(np.finfo(dtype).eps / np.finfo(np.float64).eps):.2g} times "
+        finfo = jnp.finfo(np.asarray(info.t_final).dtype)  # (jnp's knows bfloat16)
+        if int(np.asarray(info.status)[first]) == _status.STEP_UNDERFLOW and finfo.bits < 64:
+            shortest = 10 * float(finfo.eps) * abs(t)
+            text += (f"; in {finfo.dtype} a step shorter than 10 eps |t| = {shortest:.2g} "
+                     f"cannot be told from t there: float64 times (jax_enable_x64) resolve "
+                     f"{float(finfo.eps) / float(np.finfo(np.float64).eps):.2g} times "
                      f"shorter steps")
         if event is not None and np.any(np.isnan(np.asarray(info.event_time)[first])):
             name = getattr(event, "__qualname__", type(event).__name__)
