@@ -284,7 +284,9 @@ class AdjointSolveError(RuntimeError):
 
 
 def _adjoint_failure(linear_solver):
-    name = linear_solver if isinstance(linear_solver, str) else "<callable>"
+    # (a callable may describe itself, e.g. root's jac_sparsity solve)
+    name = (f"linear_solver={linear_solver!r}" if isinstance(linear_solver, str) else
+            getattr(linear_solver, "description", "linear_solver=<callable>"))
 
     def report(operands):
         # (under vmap, e.g. jax.jacrev, every operand may come batched, rtol too)
@@ -297,7 +299,7 @@ def _adjoint_failure(linear_solver):
                 "non-finite solution (a singular system, or an iteration that missed its "
                 "tolerance within max_steps)")
         raise AdjointSolveError(
-            f"implicit differentiation: the adjoint linear solve (linear_solver={name!r}) "
+            f"implicit differentiation: the adjoint linear solve ({name}) "
             f"did not converge: {what}, tolerance rtol={float(rtol):.1e}"
             f" ({int((~ok).sum())} of {ok.size} solves failed). Try linear_solver='gmres' or "
             "'dense', a larger max_steps, or check that the Jacobian of the residual is "

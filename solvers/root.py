@@ -214,6 +214,10 @@ class _StructuredSolve:
     blocks from one product per colour (it is linear), factored, solved. (The structure is
     symmetrised, so it covers ``Jᵀ`` too.) Hashable: a static option."""
 
+    #: How the engine's failure message names it.
+    description = ("jac_sparsity's structured solve; a pattern that misses nonzero entries "
+                   "of the Jacobian makes it miss too")
+
     def __init__(self, structure):
         self.structure = structure
 

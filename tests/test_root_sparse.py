@@ -86,6 +86,26 @@ def test_banded_pytree_and_jvp_rule(x64):
                                rtol=1e-8, atol=1e-10)
 
 
+def test_a_pattern_missing_entries_fails_the_gradient_and_says_why(x64):
+    # Pentadiagonal F declared tridiagonal: Newton still converges on the wrong Jacobian,
+    # but the adjoint solve with it misses (its residual is checked with the true one).
+    def G(x, b):
+        pad = jnp.pad(x, 2)
+        return 3 * x - pad[1:-3] - pad[3:-1] - 0.5 * pad[:-4] - 0.5 * pad[4:] + x**3 - b
+
+    def total(b, width):
+        return solvers.root(G, jnp.zeros(50), b, jac_sparsity=width).sum()
+
+    with pytest.raises(Exception, match="jac_sparsity's structured solve; a pattern that "
+                                        "misses nonzero entries"):
+        jax.block_until_ready(jax.grad(total)(jnp.ones(50), 1))
+    g = jax.grad(total)(jnp.ones(50), 2)  # the right band: d sum(x*)/db = J⁻ᵀ 1
+    x = solvers.root(G, jnp.zeros(50), jnp.ones(50), jac_sparsity=2)
+    assert float(jnp.max(jnp.abs(G(x, jnp.ones(50))))) < 1e-12
+    jac = np.asarray(jax.jacfwd(G)(x, jnp.ones(50)))
+    np.testing.assert_allclose(g, np.linalg.solve(jac.T, np.ones(50)), rtol=1e-8)
+
+
 def test_jac_sparsity_errors():
     F = lambda x: x**3 - 1.0  # noqa: E731
     with pytest.raises(ValueError, match="jac_sparsity= is for method='newton'"):
