@@ -70,6 +70,21 @@ def test_stagnation_after_a_window_without_a_new_smallest_error():
     assert int(info.num_steps) == 1 + _runner.STAGNATION_WINDOW
 
 
+def test_a_plateau_after_a_long_descent_is_not_stagnation():
+    # A damped fixed-point iteration (tanh map, spectral radius 1.6, damping 0.3) fell for
+    # 124 steps, sat on a plateau for 74 (its smallest error not beaten), then converged:
+    # a fixed window of 50 called it stagnated. The window now lasts at least as many
+    # steps as led to the smallest error.
+    descent = np.geomspace(1.0, 0.02, 124)
+    errors = np.r_[descent, np.full(74, 0.025), np.geomspace(0.02, 1e-4, 50)]
+    _, info = _run(_toy(errors), max_steps=500)
+    assert info.status_name == "converged", info.status_name
+    # A plateau that lasts is still a floor: after as many steps again (the smallest
+    # error is the guess's descent's last, at step 123).
+    _, info = _run(_toy(np.r_[descent, np.full(400, 0.025)]), max_steps=500)
+    assert info.status_name == "stagnated" and int(info.num_steps) == 2 * 123
+
+
 def test_a_growing_error_is_not_stagnation():
     # A divergence is left to become non-finite (or reach max_steps), not called stagnation.
     _, info = _run(_toy(2.0 ** np.arange(100)), max_steps=90)
