@@ -179,14 +179,18 @@ NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR = 8
 #: Neumann steps without a new smallest residual after which the iteration has reached
 #: its rounding floor and stops (see :func:`_neumann`).
 NEUMANN_STALL = 64
+#: How far above its tolerance a solve's residual may be and pass (:func:`converged`,
+#: :func:`_neumann`); ``DENSE_SLACK`` for ``"dense"`` (see :func:`converged`).
+SLACK = 10
+DENSE_SLACK = 1000
 
 
 def _neumann(matvec, b, rtol, atol, max_steps):
     """The Neumann iteration until its residual meets the tolerance, ``max_steps``, or
     :data:`NEUMANN_STALL` steps without a new smallest residual (its rounding floor,
     about ``eps / (1 - ρ)`` relative for a spectral radius ``ρ``: above float32's
-    tolerance as ``ρ`` nears 1). Its result passes within the 10x slack that
-    :func:`converged` gives iterative solves, else it is NaN."""
+    tolerance as ``ρ`` nears 1). Its result passes within :data:`SLACK` times the
+    tolerance, as :func:`converged` passes iterative solves, else it is NaN."""
     bound = atol + rtol * _norm(b)
     every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _sharding.on_accelerator() else 1
 
@@ -208,7 +212,7 @@ def _neumann(matvec, b, rtol, atol, max_steps):
     x0 = jax.tree.map(jnp.negative, b)
     inf = jnp.asarray(jnp.inf, bound.dtype)
     x, err, *_ = _sharding.while_loop(cond, body, (x0, inf, 0, inf, 0))
-    ok = err <= 10 * bound
+    ok = err <= SLACK * bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
 
@@ -339,18 +343,16 @@ def _dtype(b):
     return jnp.result_type(*jax.tree.leaves(b))
 
 
-#: How far above its tolerance :func:`converged` lets a ``"dense"`` solve's residual be.
-DENSE_SLACK = 1000
 
 
 def converged(linear_solver, matvec, b, x, *, rtol, atol):
-    """Whether ``x`` solves ``matvec(x) = b`` to its tolerance (with 10x slack).
+    """Whether ``x`` solves ``matvec(x) = b`` to its tolerance (with :data:`SLACK`).
 
     ``"jfb"`` is an approximation by design and always passes; ``"neumann"`` passes when
     finite (its iteration computes its residual exactly and returns NaN when that missed
     the tolerance); ``"diagonal"`` is checked elementwise (``ok`` is then a pytree of bool
     arrays shaped like ``x``). These cost nothing; the others one ``matvec``. ``"dense"``
-    gets :data:`DENSE_SLACK` instead of 10x: an LU solve's residual is at the rounding
+    gets :data:`DENSE_SLACK` instead: an LU solve's residual is at the rounding
     level of its matrix, above the tolerance where that is ill-conditioned (the gradient
     of a badly scaled fit, a condition number of 6e13: 14x), while a singular system's
     result, finite wherever rounding leaves its pivots non-zero, solves nothing (a
@@ -370,5 +372,5 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     relative = r_norm / jnp.where(b_norm > 0, b_norm, 1)
     if linear_solver == "jfb":
         return jnp.bool_(True), relative
-    slack = DENSE_SLACK if linear_solver == "dense" else 10
+    slack = DENSE_SLACK if linear_solver == "dense" else SLACK
     return finite & (r_norm <= slack * (atol + rtol * b_norm)), relative

@@ -153,17 +153,18 @@ def _solve(x0, args, rtol, atol, *, residual, method, options, solver, check):
         jac = jax.jacfwd if x0_flat.size <= m else jax.jacrev
 
         def evaluate(v):
-            """``(0.5 ||r||², (r, J))`` at ``v``."""
+            """``(0.5 ||r||², (r, J, Jᵀr))`` at ``v``."""
             j, r = jac(lambda v: (lambda r: (r, r))(fn(v)), has_aux=True)(v)
             # (J whole on every device of an Explicit mesh: its factorisations need it)
-            return 0.5 * jnp.sum(r * r), (r, _sharding.gathered(j))
+            j = _sharding.gathered(j)
+            return 0.5 * jnp.sum(r * r), (r, j, _sharding.split_like(_sharding.dot(j.T, r), v))
 
         make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
         state, info = _runner.iterate(
             make(evaluate, rtol), x0_flat, rtol=rtol, atol=atol,
             max_steps=options.max_steps, record_history=options.full_output,
         )
-        info = info._replace(residual=_runner.max_norm(_sharding.dot(state.j.T, state.r)))
+        info = info._replace(residual=_runner.max_norm(state.g))
         return unravel(state.x), info
 
     def optimality(x, *args):  # ∇ 0.5 ||r||² = Jᵀ r
@@ -179,8 +180,10 @@ class _State(NamedTuple):
     f: Any  # 0.5 ||r||²
     r: Any  # residuals at x
     j: Any  # Jacobian at x
+    g: Any  # Jᵀr at x: the gradient of f
+    h: Any  # the Gauss–Newton step at x (the test's; Gauss–Newton's direction)
     status: Any
-    error: Any  # max(|h_i| - rtol |x_i|, 0), h the Gauss–Newton step at x
+    error: Any  # max(|h_i| - rtol |x_i|, 0)
     mu: Any  # LM damping
     nu: Any  # LM rejection factor
     d: Any  # LM scaling: the largest diag(JᵀJ) so far
@@ -195,17 +198,28 @@ def _gauss_newton_step(r, j, x):
 def _error(x, f, r, j, rtol):
     """The test's error (see the module docstring) and the Gauss–Newton step."""
     h = _gauss_newton_step(r, j, x)
-    error = jnp.max(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0), initial=0.0)
+    error = _runner.max_norm(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
     return jnp.where(jnp.isfinite(f), error, jnp.nan), h
+
+
+def _accept(state, ok, x, f, r, j, g, rtol):
+    """``state`` moved to the evaluated point ``x`` where ``ok``, with its test (and its
+    Gauss–Newton step, computed once per point)."""
+    x, f, r, j, g = (jnp.where(ok, new, old) for new, old in
+                     ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
+    error, h = _error(x, f, r, j, rtol)
+    return state._replace(x=x, f=f, r=r, j=j, g=g, error=jnp.where(ok, error, state.error),
+                          h=jnp.where(ok, h, state.h))
 
 
 def _start(evaluate, rtol):
     def init(x0):
-        f, (r, j) = evaluate(x0)
+        f, (r, j, g) = evaluate(x0)
         d = jnp.sum(j * j, axis=0)
         one = jnp.ones((), x0.dtype)
-        return _State(x0, f, r, j, jnp.int32(_status.RUNNING), _error(x0, f, r, j, rtol)[0],
-                      _TAU * one, 2.0 * one, d)
+        error, h = _error(x0, f, r, j, rtol)
+        return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, _TAU * one,
+                      2.0 * one, d)
 
     def terminate(state):
         return _runner.Progress(state.error, jnp.zeros_like(state.error), state.status)
@@ -217,14 +231,13 @@ def _levenberg_marquardt(evaluate, rtol):
     init, terminate = _start(evaluate, rtol)
 
     def step(state):
-        x, f, r, j, mu, nu = state.x, state.f, state.r, state.j, state.mu, state.nu
-        g = _sharding.split_like(_sharding.dot(j.T, r), x)
+        x, f, j, g, mu, nu = state.x, state.f, state.j, state.g, state.mu, state.nu
         d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
         # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
         d = jnp.where(d > 0, d, 1.0)
         h = _lu.factor_solve(_sharding.dot(j.T, j) + mu * jnp.diag(d), -g)[0]
         x_new = x + h
-        f_new, (r_new, j_new) = evaluate(x_new)
+        f_new, (r_new, j_new, g_new) = evaluate(x_new)
         predicted = 0.5 * _sharding.dot(h, mu * d * h - g)  # the model's decrease, > 0
         rho = (f - f_new) / jnp.where(predicted > 0, predicted, 1.0)
         measured = (predicted > 0) & (rho > 0)
@@ -233,21 +246,18 @@ def _levenberg_marquardt(evaluate, rtol):
         # along it, still exact (the line search's approximate Wolfe test), and μ
         # decreases as for a good model.
         slope = _sharding.dot(g, h)
-        g_new = _sharding.split_like(_sharding.dot(j_new.T, r_new), x)
         rounding = approximate_wolfe(f, f_new, slope, _sharding.dot(g_new, h))
         ok = jnp.isfinite(f_new) & jnp.all(jnp.isfinite(h)) & (slope < 0) & (measured | rounding)
         factor = jnp.where(measured, jnp.maximum(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3),
                            1.0 / 3.0)
         mu = jnp.where(ok, mu * factor, mu * nu)
         nu = jnp.where(ok, 2.0, 2.0 * nu)
-        x, f, r, j = (jnp.where(ok, new, old)
-                      for new, old in ((x_new, x), (f_new, f), (r_new, r), (j_new, j)))
-        error = jnp.where(ok, _error(x, f, r, j, rtol)[0], state.error)
+        state = _accept(state, ok, x_new, f_new, r_new, j_new, g_new, rtol)
         wide = nu.astype(jnp.promote_types(nu.dtype, jnp.float32))  # (2**40: no float16)
-        status = jnp.where(jnp.isfinite(f) & (wide > _NU_MAX), _status.NO_DECREASE,
+        status = jnp.where(jnp.isfinite(state.f) & (wide > _NU_MAX), _status.NO_DECREASE,
                            _status.RUNNING).astype(jnp.int32)
-        return state._replace(x=x, f=f, r=r, j=j, status=status, error=error,
-                              mu=mu.astype(x.dtype), nu=nu.astype(x.dtype), d=d)
+        return state._replace(status=status, mu=mu.astype(x.dtype), nu=nu.astype(x.dtype),
+                              d=d)
 
     return _runner.Method(init, step, terminate)
 
@@ -256,24 +266,18 @@ def _gauss_newton(evaluate, rtol):
     init, terminate = _start(evaluate, rtol)
 
     def step(state):
-        x, f, r, j = state.x, state.f, state.r, state.j
-        g = _sharding.split_like(_sharding.dot(j.T, r), x)
-        h = _gauss_newton_step(r, j, x)
+        x, f, g, h = state.x, state.f, state.g, state.h
         slope = _sharding.dot(g, h)
         descent = jnp.isfinite(slope) & (slope < 0)
         def derivative(extra):  # d/dt of 0.5 |r(x + t h)|²: (Jᵀ r) · h
-            r_t, j_t = extra
-            return _sharding.dot(_sharding.dot(j_t.T, r_t), h)
+            return _sharding.dot(extra[2], h)
 
-        x_new, f_new, (r_new, j_new), _, ok = line_search(
+        x_new, f_new, (r_new, j_new, g_new), _, ok = line_search(
             evaluate, x, f, slope, h, 1.0, derivative, skip=~descent,
         )
         ok = ok & descent
-        x, f, r, j = (jnp.where(ok, new, old)
-                      for new, old in ((x_new, x), (f_new, f), (r_new, r), (j_new, j)))
-        error = jnp.where(ok, _error(x, f, r, j, rtol)[0], state.error)
-        status = jnp.where(jnp.isfinite(f) & ~ok, _status.NO_DECREASE, _status.RUNNING)
-        return state._replace(x=x, f=f, r=r, j=j, status=status.astype(jnp.int32),
-                              error=error)
+        state = _accept(state, ok, x_new, f_new, r_new, j_new, g_new, rtol)
+        status = jnp.where(jnp.isfinite(state.f) & ~ok, _status.NO_DECREASE, _status.RUNNING)
+        return state._replace(status=status.astype(jnp.int32))
 
     return _runner.Method(init, step, terminate)
