@@ -90,7 +90,16 @@ def _pack(leaves):
                                            if jnp.issubdtype(jnp.result_type(v), jnp.floating)])
     shapes = [jnp.shape(v) for v in leaves]
     dtypes = [np.dtype(jnp.result_type(v)) for v in leaves]
-    flat = jnp.concatenate([jnp.ravel(jnp.asarray(v)).astype(dtype) for v in leaves])
+    # A sum of zero-padded leaves rather than a concatenate: elementwise, so XLA makes it
+    # one loop fusion (a concatenate of converted slices of a loop's outputs was a dozen
+    # kernels: 7 of the 56 us of a Lotka-Volterra solve on CPU, measured).
+    sizes = [math.prod(shape) for shape in shapes]
+    total, start = sum(sizes), 0
+    flat = jnp.zeros((total,), dtype)
+    for v, size in zip(leaves, sizes):
+        leaf = jnp.ravel(jnp.asarray(v)).astype(dtype)
+        flat = flat + jnp.pad(leaf, (start, total - start - size))
+        start += size
 
     def split(flat_host):
         flat_host = np.asarray(flat_host)
