@@ -75,7 +75,10 @@ def _gauss_jordan(m, pivoting):
         else:
             row_j = m[j]
         pivot_row = row_j / row_j[j]
-        m = jnp.where(rows == j, pivot_row, m - m[:, j : j + 1] * pivot_row)
+        # (row j set by an update at a static index, not a select on a `rows == j` mask: in
+        # a loop XLA hoists such constant masks out of the body, each one more buffer the
+        # loop takes in and one more kernel to launch before it)
+        m = (m - m[:, j : j + 1] * pivot_row).at[j].set(pivot_row)
     return m
 
 

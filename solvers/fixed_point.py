@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from implicit import _checks, _lu, _sharding
@@ -255,9 +256,12 @@ def _anderson_method(fn, damping, regularization, history_size):
         valid = jnp.arange(m) <= k
         a = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
         # Ridge relative to the residuals' scale (an absolute ridge stalls once the
-        # residuals are small); unused slots get a unit diagonal and a zero weight.
-        ridge = regularization * jnp.max(jnp.diag(a))
-        a = a + jnp.diag(jnp.where(valid, ridge, 1.0))
+        # residuals are small); unused slots get a unit diagonal and a zero weight. (The
+        # diagonal through a NumPy mask, a literal: jnp.diag's iota masks and gather
+        # indices are hoisted out of the loop by XLA, three more buffers set up before it.)
+        eye = np.eye(m, dtype=bool)
+        ridge = regularization * jnp.max(jnp.where(eye, a, 0.0))
+        a = a + jnp.where(eye, jnp.where(valid, ridge, 1.0), 0.0)
         # (positive definite with the ridge: no pivots, which on an Explicit mesh a
         # vmapped LU's gather could not shard either)
         alpha = _lu.solve_positive_definite(a, valid.astype(a.dtype))

@@ -190,7 +190,10 @@ def root(
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    bounds = _checks.box_bounds(lower, upper, x0)
+    # Unbounded: no projection at all (two loop-invariant ±inf vectors and a clip per step
+    # fewer).
+    bounded = lower is not None or upper is not None
+    bounds = _checks.box_bounds(lower, upper, x0) if bounded else None
     return _runner.dispatch(
         _solve,
         x0,
@@ -273,10 +276,14 @@ def _solve(
 ):
     _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
 
-    lower, upper = (jax.lax.stop_gradient(ravel_pytree(b)[0]) for b in bounds)
+    if bounds is None:
+        def project(v):
+            return v
+    else:
+        lower, upper = (jax.lax.stop_gradient(ravel_pytree(b)[0]) for b in bounds)
 
-    def project(v):
-        return jnp.clip(v, lower, upper)
+        def project(v):
+            return jnp.clip(v, lower, upper)
 
     # The adjoint refined with the last factored Jacobian (see `root`'s linear_solver).
     preconditioner = (jacobian == "dense" and method in ("newton", "chord")

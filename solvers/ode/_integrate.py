@@ -684,8 +684,10 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
         return _sharding.while_loop(cond, window, carry)
 
-    def per_time(carry, j):
-        target = ts[j]
+    def per_time(carry, x):
+        # (dense output needs only the time; the index is scanned over in jumps mode alone:
+        # one fewer array to set up before the loop)
+        j, target = x if jumps else (None, x)
         carry = step_loop(target, carry)
         ctrl, z, cache, last_step, rec, ck, ev = carry
         ctrl = Controller.unpack(ctrl)
@@ -717,7 +719,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         )
         ck = (bufs, jnp.asarray(W, i32))
     carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck, ev)
-    carry, ys = _sharding.scan(per_time, carry, jnp.arange(1, T))
+    carry, ys = _sharding.scan(per_time, carry,
+                               (jnp.arange(1, T), ts[1:]) if jumps else ts[1:])
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
     # A zero budget leaves the loop before any step: report it as max_steps.
     reached_end = ctrl.s >= t_end
