@@ -161,7 +161,9 @@ def _dense(matvec, b, rtol, atol, max_steps):
     eye = _sharding.vary_like(jnp.eye(b_flat.size, dtype=b_flat.dtype), b_flat)  # shard_map
     # (each column's input split like b on an Explicit mesh, as the matvec expects)
     columns = jax.vmap(lambda e: matvec_flat(_sharding.split_like(e, b_flat)))(eye)
-    return unravel(_lu.solve(_lu.factor(columns.T), b_flat))
+    # One LU of the augmented [A | b]: no row permutation to form (on CPU a loop of n
+    # small steps, 4.4 us at n = 64), as a one-off solve needs none.
+    return unravel(_lu.factor_solve(columns.T, b_flat)[0])
 
 
 def _diagonal(matvec, b, rtol, atol, max_steps):

@@ -503,10 +503,11 @@ def test_docstring_examples():
     assert tried > 0 and failures == 0
 
 
-def _refinement_only_gradient(method, dtype, tol):
+def _refinement_only_gradient(method, dtype, tol, n=None):
+    n = sys.modules["solvers.root"].REUSE_MIN_SIZE if n is None else n
     rng = np.random.default_rng(5)
-    a = jnp.asarray(4 * np.eye(6) + rng.standard_normal((6, 6)) * 0.5, dtype)
-    b = jnp.asarray(rng.standard_normal(6), dtype)
+    a = jnp.asarray(4 * np.eye(n) + rng.standard_normal((n, n)) * 0.5 * np.sqrt(6 / n), dtype)
+    b = jnp.asarray(rng.standard_normal(n), dtype)
 
     def F(x, b):
         return a @ x + 0.5 * x**3 - b
@@ -515,20 +516,21 @@ def _refinement_only_gradient(method, dtype, tol):
         return jax.tree.map(lambda v: jnp.full_like(v, jnp.nan), rhs)
 
     def loss(b):
-        return jnp.sum(solvers.root(F, jnp.zeros(6, dtype), b, method=method,
-                                    linear_solver=never, **tol))
+        return jnp.sum(solvers.root(F, jnp.zeros(n, dtype), b, method=method,
+                                    linear_solver=never, on_failure="nan", **tol))
 
     g = jax.grad(loss)(b)
-    x = np.asarray(solvers.root(F, jnp.zeros(6, dtype), b, **tol), np.float64)
+    x = np.asarray(solvers.root(F, jnp.zeros(n, dtype), b, **tol), np.float64)
     jac = np.asarray(a, np.float64) + np.diag(1.5 * x**2)
-    return np.asarray(g), np.linalg.solve(jac.T, np.ones(6))
+    return np.asarray(g), np.linalg.solve(jac.T, np.ones(n))
 
 
 @pytest.mark.parametrize("method", ["newton", "chord"])
 def test_dense_gradient_refines_with_the_forward_factorisation(method):
-    """Newton's and chord's dense adjoint is solved by refinement with their last LU
-    alone (float32, default tolerances): with a linear_solver that returns NaN, which
-    only runs where the refinement fails, the gradient is still the closed form."""
+    """From REUSE_MIN_SIZE unknowns on, Newton's and chord's dense adjoint is solved by
+    refinement with their last LU alone (float32, default tolerances): with a
+    linear_solver that returns NaN, which only runs where the refinement fails, the
+    gradient is still the closed form."""
     g, expected = _refinement_only_gradient(method, jnp.float32, {})
     np.testing.assert_allclose(g, expected, rtol=1e-4)
 
@@ -540,3 +542,11 @@ def test_dense_newton_gradient_refines_at_tight_tolerances(x64):
     g, expected = _refinement_only_gradient("newton", jnp.float64,
                                             {"rtol": 1e-12, "atol": 1e-14})
     np.testing.assert_allclose(g, expected, rtol=1e-9)
+
+
+def test_small_dense_gradient_forms_its_own_jacobian():
+    """Below REUSE_MIN_SIZE unknowns the adjoint does not refine with the forward's LU:
+    it forms the Jacobian at the root and solves with linear_solver (here one returning
+    NaN: the gradient is NaN), the cheaper way at that size."""
+    g, _ = _refinement_only_gradient("newton", jnp.float32, {}, n=6)
+    assert np.all(np.isnan(g))
