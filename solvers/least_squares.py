@@ -203,13 +203,12 @@ def _error(x, f, r, j, rtol):
 
 
 def _accept(state, ok, x, f, r, j, g, rtol):
-    """``state`` moved to the evaluated point ``x`` where ``ok``, with its test (and its
-    Gauss–Newton step, computed once per point)."""
+    """``state`` moved to the evaluated point ``x`` where ``ok``, with its test and its
+    Gauss–Newton step (where not, those of the point it stays at, computed alike)."""
     x, f, r, j, g = (jnp.where(ok, new, old) for new, old in
                      ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
     error, h = _error(x, f, r, j, rtol)
-    return state._replace(x=x, f=f, r=r, j=j, g=g, error=jnp.where(ok, error, state.error),
-                          h=jnp.where(ok, h, state.h))
+    return state._replace(x=x, f=f, r=r, j=j, g=g, error=error, h=h)
 
 
 def _start(evaluate, rtol):

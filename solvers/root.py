@@ -35,12 +35,14 @@ from solvers import _runner, _status
 __all__ = ["root", "newton"]
 
 #: The fewest unknowns at which the gradient of a dense ``"newton"`` or ``"chord"`` solve
-#: refines with the forward pass's last factorisation; below, the adjoint forms its own
-#: Jacobian (one batch of VJPs) and solves once. Measured on CPU, value and gradient of
-#: the root benchmark's problem: reuse costs 7.1, 32.0, 43.4, 59.5, 259 us of backward
-#: time at n = 16, 64, 96, 128, 256; the fresh dense solve 5.7, 19.2, 35.1, 60-65, 358
-#: (reuse pays for the factorisation's row permutation, an n-step loop on CPU, and one or
-#: two refinements, which a fresh LU of the augmented system does without).
+#: with the ``"dense"`` adjoint refines with the forward pass's last factorisation;
+#: below, the adjoint forms its own Jacobian (one batch of VJPs) and solves once (other
+#: linear solvers, iterative or given, start from the refinement at every size).
+#: Measured on CPU, value and gradient of the root benchmark's problem: reuse costs 7.1,
+#: 32.0, 43.4, 59.5, 259 us of backward time at n = 16, 64, 96, 128, 256; the fresh dense
+#: solve 5.7, 19.2, 35.1, 60-65, 358 (reuse pays for the factorisation's row
+#: permutation, an n-step loop on CPU, and one or two refinements, which a fresh LU of
+#: the augmented system does without).
 REUSE_MIN_SIZE = 128
 
 METHODS = ("newton", "chord", "broyden", "dogleg")
@@ -115,8 +117,9 @@ def root(
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``
         (default): ``"dense"`` when the Jacobian is dense, ``"gmres"`` otherwise. With a
-        dense Jacobian of at least ``REUSE_MIN_SIZE`` (128) unknowns and
-        ``method="newton"`` or ``"chord"``, the adjoint system is
+        dense Jacobian and ``method="newton"`` or ``"chord"`` (and, with
+        ``linear_solver="dense"``, at least ``REUSE_MIN_SIZE`` (128) unknowns: below, the
+        dense solve alone is cheaper), the adjoint system is
         first solved by iterative refinement with the forward pass's last factored
         Jacobian (Newton's is the root's to within the last step; the kept chord
         Jacobian contracts the adjoint's error as fast as it did the forward's): no
@@ -199,6 +202,10 @@ def root(
                          f"(or 'auto'), got jacobian={jacobian!r}")
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="dense" if jacobian == "dense" else "gmres")
+    # The adjoint refined with the forward's last factored Jacobian (see linear_solver);
+    # the dense adjoint solve is cheaper below REUSE_MIN_SIZE unknowns.
+    reuse = (jacobian == "dense" and method in ("newton", "chord") and opts.rule == "vjp"
+             and not (opts.linear_solver == "dense" and size < REUSE_MIN_SIZE))
     dtype = jnp.result_type(*jax.tree.leaves(x0))
     # Unbounded: no projection at all (two loop-invariant ±inf vectors and a clip per step
     # fewer).
@@ -218,6 +225,7 @@ def root(
         line_search=line_search,
         history_size=int(history_size),
         structure=structure,
+        reuse=reuse,
         solver=f"solvers.root(method={method!r})",
     )
 
@@ -283,6 +291,7 @@ def _solve(
     solver,
     check,
     structure=None,
+    reuse=False,
 ):
     _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
 
@@ -294,12 +303,6 @@ def _solve(
 
         def project(v):
             return jnp.clip(v, lower, upper)
-
-    # The adjoint refined with the last factored Jacobian (see `root`'s linear_solver),
-    # above REUSE_MIN_SIZE unknowns.
-    size = sum(jnp.size(leaf) for leaf in jax.tree.leaves(x0))
-    preconditioner = (jacobian == "dense" and method in ("newton", "chord")
-                      and options.rule == "vjp" and size >= REUSE_MIN_SIZE)
 
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
@@ -331,13 +334,13 @@ def _solve(
             residual=_runner.max_norm(state.fx),
             num_steps=jnp.where(untouched, 0, info.num_steps),
         )
-        if not preconditioner:
+        if not reuse:
             return unravel(state.x), info
         factors = ops.reusable(state.quasi) if method == "newton" else state.quasi.factors
         return unravel(state.x), info, _adjoint_preconditioner(factors)
 
     return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
-                         solver=solver, preconditioner=preconditioner)
+                         solver=solver, preconditioner=reuse)
 
 
 def _adjoint_preconditioner(factors):

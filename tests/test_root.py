@@ -503,8 +503,7 @@ def test_docstring_examples():
     assert tried > 0 and failures == 0
 
 
-def _refinement_only_gradient(method, dtype, tol, n=None):
-    n = sys.modules["solvers.root"].REUSE_MIN_SIZE if n is None else n
+def _refinement_only_gradient(method, dtype, tol, n=6):
     rng = np.random.default_rng(5)
     a = jnp.asarray(4 * np.eye(n) + rng.standard_normal((n, n)) * 0.5 * np.sqrt(6 / n), dtype)
     b = jnp.asarray(rng.standard_normal(n), dtype)
@@ -527,10 +526,9 @@ def _refinement_only_gradient(method, dtype, tol, n=None):
 
 @pytest.mark.parametrize("method", ["newton", "chord"])
 def test_dense_gradient_refines_with_the_forward_factorisation(method):
-    """From REUSE_MIN_SIZE unknowns on, Newton's and chord's dense adjoint is solved by
-    refinement with their last LU alone (float32, default tolerances): with a
-    linear_solver that returns NaN, which only runs where the refinement fails, the
-    gradient is still the closed form."""
+    """Newton's and chord's dense adjoint is solved by refinement with their last LU
+    alone (float32, default tolerances): with a linear_solver that returns NaN, which
+    only runs where the refinement fails, the gradient is still the closed form."""
     g, expected = _refinement_only_gradient(method, jnp.float32, {})
     np.testing.assert_allclose(g, expected, rtol=1e-4)
 
@@ -544,9 +542,19 @@ def test_dense_newton_gradient_refines_at_tight_tolerances(x64):
     np.testing.assert_allclose(g, expected, rtol=1e-9)
 
 
-def test_small_dense_gradient_forms_its_own_jacobian():
-    """Below REUSE_MIN_SIZE unknowns the adjoint does not refine with the forward's LU:
-    it forms the Jacobian at the root and solves with linear_solver (here one returning
-    NaN: the gradient is NaN), the cheaper way at that size."""
-    g, _ = _refinement_only_gradient("newton", jnp.float32, {}, n=6)
-    assert np.all(np.isnan(g))
+def test_dense_adjoint_reuses_the_forward_lu_from_reuse_min_size():
+    """With the default dense adjoint solve, the forward's LU (whose row permutation is
+    formed for the refinement) serves the gradient only from REUSE_MIN_SIZE unknowns;
+    below, the adjoint's own LU of the augmented system forms none."""
+    n_min = sys.modules["solvers.root"].REUSE_MIN_SIZE
+
+    def forms_permutation(n):
+        a = jnp.eye(n) * 4.0
+
+        def loss(b):
+            return jnp.sum(solvers.root(lambda x, b: a @ x + 0.5 * x**3 - b, jnp.zeros(n), b))
+
+        return "lu_pivots_to_permutation" in str(jax.make_jaxpr(jax.grad(loss))(jnp.ones(n)))
+
+    assert not forms_permutation(n_min - 1)
+    assert forms_permutation(n_min)
