@@ -196,24 +196,27 @@ def _neumann(matvec, b, rtol, atol, max_steps):
     bound = atol + rtol * _norm(b)
     every = NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if _sharding.on_accelerator() else 1
 
+    # The scalars travel as one vector (residual norm, smallest so far, steps since it):
+    # one kernel updates them per trip, not one per scalar (compile time, and launches).
     def cond(carry):
-        _, err, k, _, k_best = carry
-        return ((err > bound) & (k < max_steps) & ~jnp.isnan(err)
-                & (k - k_best < NEUMANN_STALL))
+        _, k, (err, _, since) = carry
+        return (err > bound) & (k < max_steps) & ~jnp.isnan(err) & (since < NEUMANN_STALL)
 
     def body(carry):
-        x, _, k, best, k_best = carry
+        x, k, (_, best, since) = carry
         for _ in range(every):
             r = jax.tree.map(jnp.subtract, matvec(x), b)  # r = A x - b
             x = jax.tree.map(jnp.add, x, r)
         err = _norm(r)
         lower = err < best
-        return (x, err, k + every, jnp.where(lower, err, best),
-                jnp.where(lower, k + every, k_best))
+        scalars = jnp.stack([err, jnp.where(lower, err, best), jnp.where(lower, 0, since + every)])
+        return x, k + every, scalars
 
     x0 = jax.tree.map(jnp.negative, b)
     inf = jnp.asarray(jnp.inf, bound.dtype)
-    x, err, *_ = _sharding.while_loop(cond, body, (x0, inf, 0, inf, 0))
+    x, _, (err, _, _) = _sharding.while_loop(
+        cond, body, (x0, 0, jnp.stack([inf, inf, jnp.zeros_like(inf)]))
+    )
     ok = err <= SLACK * bound
     return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
 
