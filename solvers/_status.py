@@ -132,9 +132,12 @@ def explain(code, *, max_steps=None):
     if code == STAGNATED:
         return (
             "the error stopped decreasing (no new smallest error over a window of steps): "
-            "it sits at a round-off floor above the tolerance, or the iteration cycles",
-            "loosen rtol/atol or switch to float64 (more steps will not help)"
-            + _precision_hint(),
+            "it sits at a round-off floor above the tolerance, or the iteration cycles or "
+            "creeps without reaching a solution (a root solve: toward a local minimum of "
+            "|F| that is not a root)",
+            "at a round-off floor (a final residual near the tolerance) loosen rtol/atol or "
+            "switch to float64; away from a solution start elsewhere or try another method "
+            "(more steps will not help)" + _precision_hint(),
         )
     if code == SINGULAR:
         return (
