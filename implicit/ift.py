@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 
 from implicit import _checks, linear
@@ -50,8 +51,11 @@ def custom_root(
       has_aux: the solver returns ``(x, aux)``; ``aux`` is passed through undifferentiated.
       rule: ``"vjp"`` (a ``jax.custom_vjp`` rule: reverse mode, any order) or ``"jvp"``
         (a ``jax.custom_jvp`` rule with a transposable tangent solve: ``jax.jvp``,
-        ``jax.jacfwd``, ``jax.hessian`` and reverse mode; the tangent solve must stay
-        linear, so ``on_failure`` does not check it).
+        ``jax.jacfwd``, ``jax.hessian`` and reverse mode). The tangent solve must stay
+        linear in the tangents, so ``on_failure`` checks it on a probe instead: the
+        same solve of a fixed right-hand side with the same matrix, which fails where
+        the matrix is singular (or the method does not converge on it); the tangents
+        are then NaN (``"nan"``), or the solve raises (``"raise"``).
       rtol, atol: tolerances of the adjoint linear solve (``norm(A w - b) <= atol +
         rtol * norm(b)``); by default they follow the dtype (1e-5 float32, 1e-8 float64).
         Solvers in :mod:`solvers` pass their own forward tolerances here, so a gradient
@@ -198,7 +202,7 @@ def _implicit_solve(
     def split(out):
         return (out[0], out[1]) if has_aux else (out, None)
 
-    def linear_solve(matvec, b, tol, check=True, p=None):
+    def linear_solve(matvec, b, tol, check=True, p=None, role="adjoint"):
         method, kind = linear_solver, linear_solver
         # The solver's approximate inverse: refined, else linear_solver (not for "jfb",
         # an approximation by design, nor "diagonal", checked elementwise).
@@ -214,7 +218,7 @@ def _implicit_solve(
             everywhere = _all(ok)
             worst = jnp.max(jnp.stack([jnp.max(r, initial=0.0) for r in jax.tree.leaves(relative)]))
             flag = host_check(
-                everywhere, _adjoint_failure(linear_solver), (everywhere, worst, tol[0])
+                everywhere, _adjoint_failure(linear_solver, role), (everywhere, worst, tol[0])
             )
             return jax.tree.map(lambda v: jnp.where(flag, v, jnp.nan), x)
         # "nan": only what failed (elementwise for a diagonal solve, else the whole solve).
@@ -267,8 +271,22 @@ def _implicit_solve(
             )
             _, matvec = jax.linearize(lambda y: residual_fn(y, *args, *consts), x)
             # The tangent solve must stay linear in the tangents (it is transposed for
-            # reverse mode), so its convergence is not checked here.
+            # reverse mode), so its convergence is not checked on them: a probe, the
+            # same solve of a fixed right-hand side (a function of the primals alone),
+            # is, and its outcome scales the tangents by 1 or NaN (a product, linear in
+            # them: NaN also reaches reverse mode's cotangents, which a select would
+            # zero). A singular system otherwise gave finite garbage (1e16 from a dense
+            # LU, 1e50 from BiCGSTAB) for jax.jacfwd and jax.grad alike.
             x_dot = linear_solve(matvec, jax.tree.map(jnp.negative, rhs), tol, check=False)
+            if on_failure != "ignore":
+                flat, unravel = ravel_pytree(x)
+                # (cosines at incommensurate angles: no structure a singular matrix's
+                # range would contain)
+                ramp = jnp.arange(flat.size, dtype=flat.dtype)
+                probe = unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5)
+                y = linear_solve(matvec, probe, tol, role="tangent")
+                scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
+                x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
             if has_aux:
                 return out, (x_dot, jax.tree.map(_zero_tangent, aux))
             return out, x_dot
@@ -283,7 +301,7 @@ class AdjointSolveError(RuntimeError):
     """The linear solve of an implicit derivative missed its tolerance."""
 
 
-def _adjoint_failure(linear_solver):
+def _adjoint_failure(linear_solver, role="adjoint"):
     # (a callable may describe itself, e.g. root's jac_sparsity solve)
     name = (f"linear_solver={linear_solver!r}" if isinstance(linear_solver, str) else
             getattr(linear_solver, "description", "linear_solver=<callable>"))
@@ -299,7 +317,7 @@ def _adjoint_failure(linear_solver):
                 "non-finite solution (a singular system, or an iteration that missed its "
                 "tolerance within max_steps)")
         raise AdjointSolveError(
-            f"implicit differentiation: the adjoint linear solve ({name}) "
+            f"implicit differentiation: the {role} linear solve ({name}) "
             f"did not converge: {what}, tolerance rtol={float(rtol):.1e}"
             f" ({int((~ok).sum())} of {ok.size} solves failed). Try linear_solver='gmres' or "
             "'dense', a larger max_steps, or check that the Jacobian of the residual is "

@@ -273,6 +273,9 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
     return unravel(x_flat)
 
 
+_KRYLOV = ("gmres", "bicgstab", "cg")
+
+
 def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
     """``(matvec_flat, b_flat) -> x_flat`` for a name in :data:`LINEAR_SOLVERS` or a
     callable (which sees pytrees shaped by ``unravel``). ``max_steps`` None: 10 x
@@ -288,7 +291,18 @@ def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
         return raw
     steps = max_steps if max_steps is not None else max(200, min(10 * size, 2000))
     method = _METHODS[linear_solver]
-    return lambda mv_flat, rhs_flat: method(mv_flat, rhs_flat, rtol, atol, steps)
+    if linear_solver not in _KRYLOV:
+        return lambda mv_flat, rhs_flat: method(mv_flat, rhs_flat, rtol, atol, steps)
+
+    def krylov(mv_flat, rhs_flat):
+        # A Krylov loop stops at once on a NaN or inf right-hand side (its residual test
+        # is False) and returns its zero start: NaN instead, as the other methods give
+        # (an upstream NaN cotangent stays NaN; the rule="jvp" failure mask, a NaN
+        # scale, reaches reverse mode through the transposed solve).
+        x = method(mv_flat, rhs_flat, rtol, atol, steps)
+        return jnp.where(jnp.all(jnp.isfinite(rhs_flat)), x, jnp.nan)
+
+    return krylov
 
 
 #: Refinement steps with a solver's approximate inverse before the configured solve takes

@@ -283,6 +283,58 @@ def test_adjoint_solve_failure_is_loud():
     np.testing.assert_allclose(jax.grad(exact, argnums=1)(0.0, 1.0), 2.0, rtol=1e-6)
 
 
+def _rank2_quadratic_argmin(rule, linear_solver, on_failure):
+    # argmin of 0.5 xᵀHx - aᵀx with H of rank 2 (rotated): a plane of minimisers, so
+    # dx*/da does not exist; the solver returns the minimum-norm one, H⁺a.
+    q = np.linalg.qr(np.random.default_rng(1).standard_normal((4, 4)))[0]
+    h = jnp.asarray(q[:, :2] @ np.diag([1.0, 3.0]) @ q[:, :2].T)
+    grad_f = lambda x, a: h @ x - a  # noqa: E731
+    solve = custom_root(grad_f, rule=rule, linear_solver=linear_solver, on_failure=on_failure)(
+        lambda x0, a: jnp.linalg.pinv(h) @ a
+    )
+    return lambda a: solve(jnp.zeros(4), a).sum(), h @ jnp.ones(4)
+
+
+@pytest.mark.parametrize("linear_solver", ["dense", "gmres", "bicgstab"])
+def test_singular_tangent_solve_of_a_jvp_rule_is_loud(x64, linear_solver):
+    # The rule="jvp" tangent solve cannot be checked on the tangents (it must stay linear
+    # in them); a probe solve with the same matrix is. Before, a singular system gave
+    # finite garbage, 1e16 (dense LU) to 1e50 (BiCGSTAB), to jax.jacfwd and jax.grad.
+    total, a = _rank2_quadratic_argmin("jvp", linear_solver, "raise")
+    for transform in (jax.jacfwd, jax.grad):
+        with pytest.raises(Exception, match=rf"tangent linear solve \(linear_solver="
+                                            rf"'{linear_solver}'\) did not converge"):
+            jax.block_until_ready(transform(total)(a))
+    quiet, a = _rank2_quadratic_argmin("jvp", linear_solver, "nan")
+    for transform in (jax.jacfwd, jax.grad):  # (grad: the NaN scale, transposed)
+        assert np.all(np.isnan(transform(quiet)(a)))
+
+
+def test_jvp_rule_probe_passes_a_nonsingular_system(x64):
+    # x* = A⁻¹ a for a nonsingular A: dx*/da = A⁻¹, in forward and reverse mode, with the
+    # probe check on (on_failure="raise", the default).
+    A = jnp.asarray(np.eye(3) * 2.0 + np.triu(np.ones((3, 3)), 1))
+    for linear_solver in ("dense", "gmres"):
+        solve = custom_root(lambda x, a: A @ x - a, rule="jvp", linear_solver=linear_solver)(
+            lambda x0, a: jnp.linalg.solve(A, a)
+        )
+        expected = np.linalg.inv(np.asarray(A))
+        np.testing.assert_allclose(jax.jacfwd(lambda a: solve(jnp.zeros(3), a))(jnp.ones(3)),
+                                   expected, rtol=1e-8, atol=1e-12)
+        np.testing.assert_allclose(jax.jacrev(lambda a: solve(jnp.zeros(3), a))(jnp.ones(3)),
+                                   expected, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["gmres", "bicgstab", "cg", "dense"])
+def test_non_finite_right_hand_side_gives_nan_not_zero(method):
+    # A Krylov loop stopped at once on a NaN right-hand side and returned its zero start:
+    # an upstream NaN cotangent came back as a zero gradient.
+    A = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+    for bad in (jnp.nan, jnp.inf):
+        x = linear.solve(method, lambda v: A @ v, jnp.array([bad, 1.0]), rtol=1e-6, atol=0.0)
+        assert not np.any(np.isfinite(x))
+
+
 # --- the solver's own approximate inverse for the adjoint (preconditioner=True) -----------
 
 
