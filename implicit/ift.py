@@ -155,13 +155,6 @@ def _all(tree):
     return jnp.all(jnp.stack([jnp.all(leaf) for leaf in jax.tree.leaves(tree)]))
 
 
-def _zero_tangent(leaf):
-    leaf = jnp.asarray(leaf)
-    if jnp.issubdtype(leaf.dtype, jnp.inexact):
-        return jnp.zeros_like(leaf)
-    return np.zeros(leaf.shape, dtype=jax.dtypes.float0)
-
-
 def _implicit_solve(
     residual, solver, x0, args, linear_solver, has_aux, rule, rtol, atol, steps, on_failure,
     preconditioner=False,
@@ -283,12 +276,13 @@ def _implicit_solve(
                 # (cosines at incommensurate angles: no structure a singular matrix's
                 # range would contain)
                 ramp = jnp.arange(flat.size, dtype=flat.dtype)
-                probe = unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5)
+                probe = _sharding.vary_like(unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5), x)
                 y = linear_solve(matvec, probe, tol, role="tangent")
                 scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
                 x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
             if has_aux:
-                return out, (x_dot, jax.tree.map(_zero_tangent, aux))
+                # (zeros typed like their primals: under shard_map they vary alike)
+                return out, (x_dot, jax.custom_derivatives.zero_from_primal(aux))
             return out, x_dot
 
     # shard_map: tolerances typed to vary with the problem (an implicit cast inserted at

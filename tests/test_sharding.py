@@ -240,6 +240,40 @@ def test_issue_repro_raises_catchable_error_without_abort():
     assert proc.stderr.count("jax.pure_callback failed") <= 2  # once per failure
 
 
+def test_jvp_rule_under_shard_map():
+    """rule="jvp" inside shard_map (vmapped fixed points, the batch sharded): value,
+    jax.grad and jax.jacfwd in a replicated parameter and jax.jvp in the sharded one
+    equal those without shard_map. (Before, every derivative failed: the rule's zero
+    tangents of the Info leaves, and its probe solve, were typed invariant.)"""
+    proc = _script(
+        """
+        mesh = jax.make_mesh((8,), ('b',), axis_types=(AxisType.Auto,))
+        def elems(c, d):
+            return jax.vmap(lambda di: solvers.fixed_point(
+                lambda x, c, d: 0.5 * jnp.cos(c * x) + d, jnp.zeros(()), c, di,
+                rule="jvp", linear_solver="gmres"))(d)
+        c, d0 = jnp.float32(0.7), jnp.linspace(0.1, 0.8, 16)
+        d = jax.device_put(d0, NamedSharding(mesh, P('b')))
+        f = jax.shard_map(elems, mesh=mesh, in_specs=(P(), P('b')), out_specs=P('b'))
+        t = jnp.linspace(1.0, 2.0, 16)
+        for name, got, want in [
+            ("value", lambda: f(c, d), lambda: elems(c, d0)),
+            ("grad", lambda: jax.grad(lambda c: f(c, d).sum())(c),
+             lambda: jax.grad(lambda c: elems(c, d0).sum())(c)),
+            ("jacfwd", lambda: jax.jacfwd(f)(c, d), lambda: jax.jacfwd(elems)(c, d0)),
+            ("jvp", lambda: jax.jvp(lambda d: f(c, d), (d,), (t,))[1],
+             lambda: jax.jvp(lambda d: elems(c, d), (d0,), (t,))[1]),
+        ]:
+            print("DIFF", name, float(jnp.max(jnp.abs(got() - want()))))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = dict(re.findall(r"DIFF (\S+) (\S+)", proc.stdout))
+    assert set(diffs) == {"value", "grad", "jacfwd", "jvp"}, proc.stdout
+    for name, diff in diffs.items():
+        assert float(diff) < 1e-5, (name, diff)
+
+
 def test_large_bracketed_solve_stays_sharded():
     """>= 32,768 elements (the CPU chunking threshold): no chunking on a partitioned
     mesh, so the result keeps its sharding (Auto and Explicit)."""
