@@ -624,3 +624,43 @@ def test_status_docstring_example_diverges_to_nonfinite():
                                   full_output=True)
     assert status_name(info.status) == "nonfinite"
     assert not bool(info.converged)
+
+
+# An upstream NaN cotangent (a loss that became NaN) is the caller's, not a failed
+# derivative: it comes back as NaN, as through JAX's own derivatives (what
+# optax.apply_if_finite relies on), under the default on_failure="raise". Before, the
+# implicit rules raised "the adjoint linear solve ... did not converge" and odeint "the
+# adjoint (backward) integration failed ... nonfinite"; gmres/bicgstab/cg returned 0.
+_UPSTREAM_NAN = {
+    "fixed_point[neumann]": lambda a: solvers.fixed_point(
+        lambda x, a: 0.5 * jnp.cos(a * x), jnp.zeros(3), a, linear_solver="neumann"),
+    "fixed_point[gmres]": lambda a: solvers.fixed_point(
+        lambda x, a: 0.5 * jnp.cos(a * x), jnp.zeros(3), a, linear_solver="gmres"),
+    "fixed_point[dense]": lambda a: solvers.fixed_point(
+        lambda x, a: 0.5 * jnp.cos(a * x), jnp.zeros(3), a, linear_solver="dense"),
+    "root": lambda a: solvers.root(lambda x, a: x**3 - 8 * a, jnp.ones(2), a),
+    "minimize": lambda a: solvers.minimize(lambda x, a: jnp.sum((x - a) ** 2), jnp.zeros(2), a),
+    "least_squares": lambda a: solvers.least_squares(lambda x, a: x - a, jnp.zeros(2), a),
+    "odeint[discrete]": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(2), jnp.array([0.0, 1.0]), a),
+    "odeint[backsolve]": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(2), jnp.array([0.0, 1.0]), a, adjoint="backsolve"),
+    "odeint[interpolate]": lambda a: solvers.odeint(
+        lambda y, t, a: -a * y, jnp.ones(2), jnp.array([0.0, 1.0]), a, adjoint="interpolate"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_UPSTREAM_NAN))
+def test_upstream_nan_cotangent_propagates_without_a_raise(name):
+    solve = _UPSTREAM_NAN[name]
+    grad = jax.grad(lambda a, s: jnp.sum(solve(a)) * s)
+    assert np.isnan(np.asarray(jax.block_until_ready(grad(0.5, jnp.nan))))
+    assert np.isfinite(np.asarray(grad(0.5, 1.0)))
+
+
+def test_upstream_nan_cotangent_of_one_element_leaves_the_others():
+    # Elementwise solvers: only the element whose cotangent is NaN.
+    g = jax.grad(lambda a, s: jnp.sum(solvers.bisection(cube, 0.0, 10.0, a) * s))(
+        jnp.array([8.0, 27.0]), jnp.array([jnp.nan, 1.0]))
+    assert np.isnan(g[0])
+    np.testing.assert_allclose(g[1], 1 / (3 * 27 ** (2 / 3)), rtol=1e-3)

@@ -449,6 +449,12 @@ def _finish(rhs, us, ts, gz, lam, theta_bar, status, t_fail, *, on_failure, repo
     # whatever on_failure, and so are the cotangents.
     valid = _integrate.valid_times(ts)
     cotangents = tuple(jnp.where(valid, v, jnp.nan) for v in cotangents)
+    # A NaN or inf cotangent of the outputs (a loss that became NaN) is the caller's, not
+    # the adjoint's failure: NaN cotangents, as through JAX's own derivatives (which
+    # optax.apply_if_finite and the like rely on), and nothing reported.
+    upstream = ~jnp.all(jnp.isfinite(gz))
+    status = jnp.where(upstream, _integrate.NOT_FAILED, status)
+    cotangents = tuple(jnp.where(upstream, jnp.nan, v) for v in cotangents)
     if on_failure == "nan":
         failed = status != _integrate.NOT_FAILED
         cotangents = tuple(jnp.where(failed, jnp.nan, v) for v in cotangents)
