@@ -12,8 +12,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from implicit import _checks, linear
 from implicit import _sharding
@@ -210,7 +210,7 @@ def _implicit_solve(
         # A NaN or inf right-hand side (an upstream NaN cotangent: a loss that became NaN)
         # is the caller's, not this solve's failure: NaN propagates, as through JAX's own
         # derivatives (which optax.apply_if_finite and the like rely on), without a raise.
-        if jax.tree.structure(ok) == jax.tree.structure(x):  # (elementwise: diagonal)
+        if kind == "diagonal":  # (elementwise)
             upstream = jax.tree.map(lambda v: ~jnp.isfinite(v), b)
             ok = jax.tree.map(jnp.logical_or, ok, upstream)
             x = jax.tree.map(lambda v, u: jnp.where(u, jnp.nan, v), x, upstream)
