@@ -205,9 +205,23 @@ def default_tolerances(dtype):
     return 4 * eps, 0.4 * eps
 
 
-def tolerances(rtol, atol, dtype):
-    """The user's ``rtol``/``atol`` (``None``: the dtype's defaults) as scalars of ``dtype``."""
-    default_rtol, default_atol = default_tolerances(dtype)
+def coarsest_dtype(tree):
+    """The floating dtype among ``tree``'s leaves with the coarsest rounding (the largest
+    eps; the leaves' common dtype when none is floating). Default tolerances follow it: a
+    solution is no more accurate than its least precise part (a float32 leaf in a float64
+    pytree held every solve to float64's defaults, which its adjoint check never met)."""
+    leaves = jax.tree.leaves(tree)
+    dtypes = [jnp.result_type(v) for v in leaves]
+    floating = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
+    if not floating:
+        return jnp.result_type(*leaves)
+    return max(floating, key=lambda d: float(jnp.finfo(d).eps))
+
+
+def tolerances(rtol, atol, dtype, like=None):
+    """The user's ``rtol``/``atol`` as scalars of ``dtype``; ``None``: the defaults of
+    ``dtype``, or of the coarsest floating leaf of ``like`` (:func:`coarsest_dtype`)."""
+    default_rtol, default_atol = default_tolerances(dtype if like is None else coarsest_dtype(like))
     return (
         as_scalar(default_rtol if rtol is None else rtol, dtype),
         as_scalar(default_atol if atol is None else atol, dtype),

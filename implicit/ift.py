@@ -175,8 +175,9 @@ def _implicit_solve(
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    default_rtol, default_atol = _checks.default_tolerances(dtype)
-    eps = float(jnp.finfo(dtype).eps)
+    coarsest = _checks.coarsest_dtype(x0)  # (a float32 leaf of a float64 x: float32's)
+    default_rtol, default_atol = _checks.default_tolerances(coarsest)
+    eps = float(jnp.finfo(coarsest).eps)
     # A solve cannot be more accurate than a few ulps; asking for more only burns steps.
     tol = (
         jnp.maximum(jnp.asarray(default_rtol if rtol is None else rtol, dtype), 8 * eps),
