@@ -207,9 +207,8 @@ def default_tolerances(dtype):
 
 def coarsest_dtype(tree):
     """The floating dtype among ``tree``'s leaves with the coarsest rounding (the largest
-    eps; the leaves' common dtype when none is floating). Default tolerances follow it: a
-    solution is no more accurate than its least precise part (a float32 leaf in a float64
-    pytree held every solve to float64's defaults, which its adjoint check never met)."""
+    eps; the leaves' common dtype when none is floating): what bounds the accuracy of a
+    residual computed through every leaf, e.g. an adjoint solve's (see implicit.ift)."""
     leaves = jax.tree.leaves(tree)
     dtypes = [jnp.result_type(v) for v in leaves]
     floating = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
@@ -218,10 +217,9 @@ def coarsest_dtype(tree):
     return max(floating, key=lambda d: float(jnp.finfo(d).eps))
 
 
-def tolerances(rtol, atol, dtype, like=None):
-    """The user's ``rtol``/``atol`` as scalars of ``dtype``; ``None``: the defaults of
-    ``dtype``, or of the coarsest floating leaf of ``like`` (:func:`coarsest_dtype`)."""
-    default_rtol, default_atol = default_tolerances(dtype if like is None else coarsest_dtype(like))
+def tolerances(rtol, atol, dtype):
+    """The user's ``rtol``/``atol`` (``None``: the dtype's defaults) as scalars of ``dtype``."""
+    default_rtol, default_atol = default_tolerances(dtype)
     return (
         as_scalar(default_rtol if rtol is None else rtol, dtype),
         as_scalar(default_atol if atol is None else atol, dtype),

@@ -175,10 +175,11 @@ def _implicit_solve(
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    coarsest = _checks.coarsest_dtype(x0)  # (a float32 leaf of a float64 x: float32's)
-    default_rtol, default_atol = _checks.default_tolerances(coarsest)
-    eps = float(jnp.finfo(coarsest).eps)
+    default_rtol, default_atol = _checks.default_tolerances(dtype)
     # A solve cannot be more accurate than a few ulps; asking for more only burns steps.
+    # Ulps of the least precise leaf: a float32 leaf of a float64 x rounds the residual
+    # and its VJP there, and held to float64's tolerance every adjoint solve failed.
+    eps = float(jnp.finfo(_checks.coarsest_dtype(x0)).eps)
     tol = (
         jnp.maximum(jnp.asarray(default_rtol if rtol is None else rtol, dtype), 8 * eps),
         jnp.asarray(0.0 if atol is None else atol, dtype),

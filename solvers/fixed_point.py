@@ -114,7 +114,7 @@ def fixed_point(
         args,
         None if undamped else _checks.as_scalar(damping, dtype),
         _checks.as_scalar(regularization, dtype),
-        *_checks.tolerances(rtol, atol, dtype, like=x0),
+        *_checks.tolerances(rtol, atol, dtype),
         options=opts,
         f=f,
         fn=f,

@@ -117,7 +117,7 @@ def least_squares(
         _solve,
         x0,
         args,
-        *_checks.tolerances(rtol, atol, dtype, like=x0),
+        *_checks.tolerances(rtol, atol, dtype),
         options=opts,
         residual=residual,
         fn=residual,

@@ -149,7 +149,7 @@ def minimize(
         x0,
         args,
         bounds,
-        *_checks.tolerances(rtol, atol, dtype, like=x0),
+        *_checks.tolerances(rtol, atol, dtype),
         options=opts._replace(full_output=True),
         fun=fun,
         fn=fun,

@@ -216,7 +216,7 @@ def root(
         x0,
         args,
         bounds,
-        *_checks.tolerances(rtol, atol, dtype, like=x0),
+        *_checks.tolerances(rtol, atol, dtype),
         options=opts,
         F=F,
         fn=F,

@@ -378,7 +378,7 @@ def odeint(
         structure = _structure(jac_sparsity, size, "jac_sparsity")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
-    rtol, atol = _checks.tolerances(rtol, atol, dtype, like=y0)
+    rtol, atol = _checks.tolerances(rtol, atol, dtype)
     tols = (
         rtol,
         atol,
