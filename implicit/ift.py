@@ -208,18 +208,8 @@ def _implicit_solve(
         x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
         if on_failure == "ignore" or not check:
             return x
+        # (a NaN or inf right-hand side, an upstream NaN cotangent, passes: see converged)
         ok, relative = linear.converged(kind, matvec, b, x, rtol=tol[0], atol=tol[1])
-        # A NaN or inf right-hand side (an upstream NaN cotangent: a loss that became NaN)
-        # is the caller's, not this solve's failure: NaN propagates, as through JAX's own
-        # derivatives (which optax.apply_if_finite and the like rely on), without a raise.
-        if kind == "diagonal":  # (elementwise)
-            upstream = jax.tree.map(lambda v: ~jnp.isfinite(v), b)
-            ok = jax.tree.map(jnp.logical_or, ok, upstream)
-            x = jax.tree.map(lambda v, u: jnp.where(u, jnp.nan, v), x, upstream)
-        else:
-            upstream = ~_all(jax.tree.map(jnp.isfinite, b))
-            ok = ok | upstream
-            x = jax.tree.map(lambda v: jnp.where(upstream, jnp.nan, v), x)
         if on_failure == "raise":
             everywhere = _all(ok)
             worst = jnp.max(jnp.stack([jnp.max(r, initial=0.0) for r in jax.tree.leaves(relative)]))

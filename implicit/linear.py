@@ -273,13 +273,14 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
     return unravel(x_flat)
 
 
-_KRYLOV = ("gmres", "bicgstab", "cg")
-
-
 def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
     """``(matvec_flat, b_flat) -> x_flat`` for a name in :data:`LINEAR_SOLVERS` or a
     callable (which sees pytrees shaped by ``unravel``). ``max_steps`` None: 10 x
-    ``size``, within [200, 2000]."""
+    ``size``, within [200, 2000]. A right-hand side with a NaN or inf gives NaN (every
+    entry but for ``"diagonal"``, elementwise by nature): a Krylov loop stopped at once
+    there (its residual test is False) and returned its zero start, and a callable may do
+    the same; an upstream NaN cotangent must stay NaN, and the ``rule="jvp"`` failure
+    scale (a NaN factor) must reach reverse mode through the transposed solve."""
     if callable(linear_solver):
 
         def raw(mv_flat, rhs_flat):
@@ -288,21 +289,21 @@ def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
 
             return ravel_pytree(linear_solver(mv, unravel(rhs_flat)))[0]
 
-        return raw
-    steps = max_steps if max_steps is not None else max(200, min(10 * size, 2000))
-    method = _METHODS[linear_solver]
-    if linear_solver not in _KRYLOV:
-        return lambda mv_flat, rhs_flat: method(mv_flat, rhs_flat, rtol, atol, steps)
+    else:
+        steps = max_steps if max_steps is not None else max(200, min(10 * size, 2000))
+        method = _METHODS[linear_solver]
 
-    def krylov(mv_flat, rhs_flat):
-        # A Krylov loop stops at once on a NaN or inf right-hand side (its residual test
-        # is False) and returns its zero start: NaN instead, as the other methods give
-        # (an upstream NaN cotangent stays NaN; the rule="jvp" failure mask, a NaN
-        # scale, reaches reverse mode through the transposed solve).
-        x = method(mv_flat, rhs_flat, rtol, atol, steps)
+        def raw(mv_flat, rhs_flat):
+            return method(mv_flat, rhs_flat, rtol, atol, steps)
+
+        if linear_solver == "diagonal":
+            return raw
+
+    def solve_(mv_flat, rhs_flat):
+        x = raw(mv_flat, rhs_flat)
         return jnp.where(jnp.all(jnp.isfinite(rhs_flat)), x, jnp.nan)
 
-    return krylov
+    return solve_
 
 
 #: Refinement steps with a solver's approximate inverse before the configured solve takes
@@ -375,16 +376,19 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     level of its matrix, above the tolerance where that is ill-conditioned (the gradient
     of a badly scaled fit, a condition number of 6e13: 14x), while a singular system's
     result, finite wherever rounding leaves its pivots non-zero, solves nothing (a
-    residual near ``norm(b)``: an underdetermined least-squares fit). Returns
-    ``(ok, relative_residual)``, the residual ``inf`` where only finiteness is checked
-    and it failed.
+    residual near ``norm(b)``: an underdetermined least-squares fit). A right-hand side
+    with a NaN or inf (an upstream NaN cotangent) passes: its NaN result is the caller's,
+    not the solve's failure, and propagates as through JAX's own derivatives (which
+    ``optax.apply_if_finite`` and the like rely on). Returns ``(ok, relative_residual)``,
+    the residual ``inf`` where only finiteness is checked and it failed.
     """
     if linear_solver == "diagonal":
-        ok = jax.tree.map(jnp.isfinite, x)
-        return ok, jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 0.0, jnp.inf), x)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(x)]))
+        ok = jax.tree.map(lambda v, bi: jnp.isfinite(v) | ~jnp.isfinite(bi), x, b)
+        return ok, jax.tree.map(lambda v, o: jnp.where(o, 0.0, jnp.inf), x, ok)
+    upstream = ~_all_finite(b)
+    finite = _all_finite(x)
     if linear_solver == "neumann":
-        return finite, jnp.where(finite, 0.0, jnp.inf).astype(_dtype(b))
+        return finite | upstream, jnp.where(finite, 0.0, jnp.inf).astype(_dtype(b))
     b_norm = jnp.sqrt(_vdot(b, b).real)
     r = jax.tree.map(jnp.subtract, matvec(x), b)
     r_norm = jnp.sqrt(_vdot(r, r).real)
@@ -392,4 +396,8 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
     if linear_solver == "jfb":
         return jnp.bool_(True), relative
     slack = DENSE_SLACK if linear_solver == "dense" else SLACK
-    return finite & (r_norm <= slack * (atol + rtol * b_norm)), relative
+    return (finite & (r_norm <= slack * (atol + rtol * b_norm))) | upstream, relative
+
+
+def _all_finite(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(tree)]))
