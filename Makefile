@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow test-gpu-defaults bench lint docs docs-check clean
+.PHONY: demo test test-default-codegen test-slow test-gpu-defaults bench lint docs docs-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check implicit solvers tests benchmarks
 	MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 -q
+
+# Not part of CI: the suite compiled with XLA:CPU's default code generation (conftest.py:
+# the suite otherwise uses a cheaper one, the same HLO compiled to slower machine code).
+test-default-codegen: $(STAMP)
+	TEST_XLA_CODEGEN=default MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
 test-slow: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest -n $(PYTEST_WORKERS) -q -m slow

@@ -113,7 +113,8 @@ def test_block_runs(block):
             os.environ,
             # (and XLA's CPU collectives' rendezvous timeout raised from 40 s for a loaded
             # CI machine: see tests/test_sharding.py's SLOW_HOST_FLAGS)
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "  # (the suite's: conftest.py)
+                      f"--xla_force_host_platform_device_count={devices} "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=600",
             JAX_PLATFORMS="cpu",
             MPLBACKEND="Agg",

@@ -29,7 +29,7 @@ SLOW_HOST_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 
 def _env(devices=8):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = SLOW_HOST_FLAGS
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SLOW_HOST_FLAGS}".strip()  # (conftest's too)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
