@@ -6,6 +6,8 @@ Expected values: SciPy's Radau at tight tolerances and float64 central finite
 differences of SciPy Radau solves; never odeint itself.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,7 @@ def pattern(n):
     return P
 
 
+@functools.lru_cache(maxsize=None)  # (the four forward tests share radau(ALPHA))
 def radau(alpha, n=N, ts=TS):
     sol = solve_ivp(brusselator_np, (ts[0], ts[-1]), initial(n), method="Radau", t_eval=ts,
                     rtol=1e-12, atol=1e-12, args=(alpha,),
