@@ -49,18 +49,3 @@ def _release_compiled_programs():
     if _map_count() > MAP_BUDGET:
         jax.clear_caches()
 
-
-#: Test files whose tests take longest (a notebook, a subprocess with 8 simulated devices,
-#: the demo, the docs' blocks: 10-60 s each): collected first, so that ``pytest -n``'s
-#: workers start on them and the run does not end with one worker finishing a long test
-#: while the other idles (about 3 minutes of a 20-minute run on a 2-core machine).
-LONG_FIRST = ("tests/test_notebooks.py", "tests/test_sharding.py", "tests/test_demo.py",
-              "tests/test_docs.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        path = item.nodeid.split("::")[0]
-        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
-
-    items.sort(key=rank)  # stable: each file keeps its order
