@@ -48,4 +48,3 @@ def _release_compiled_programs():
     yield
     if _map_count() > MAP_BUDGET:
         jax.clear_caches()
-
