@@ -9,6 +9,7 @@ Nothing here differentiates the solver's iterations: the solver may be any code.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -197,30 +198,7 @@ def _implicit_solve(
     def split(out):
         return (out[0], out[1]) if has_aux else (out, None)
 
-    def linear_solve(matvec, b, tol, check=True, p=None, role="adjoint"):
-        method, kind = linear_solver, linear_solver
-        # The solver's approximate inverse: refined, else linear_solver (not for "jfb",
-        # an approximation by design, nor "diagonal", checked elementwise).
-        if p is not None and linear_solver not in ("jfb", "diagonal"):
-            method = linear.refined(p, linear_solver, rtol=tol[0], atol=tol[1],
-                                    max_steps=steps)
-            kind = "gmres"  # (checked by its residual, as an iterative solve is)
-        x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
-        if on_failure == "ignore" or not check:
-            return x
-        # (a NaN or inf right-hand side, an upstream NaN cotangent, passes: see converged)
-        ok, relative = linear.converged(kind, matvec, b, x, rtol=tol[0], atol=tol[1])
-        if on_failure == "raise":
-            everywhere = _all(ok)
-            worst = jnp.max(jnp.stack([jnp.max(r, initial=0.0) for r in jax.tree.leaves(relative)]))
-            flag = host_check(
-                everywhere, _adjoint_failure(linear_solver, role), (everywhere, worst, tol[0])
-            )
-            return jax.tree.map(lambda v: jnp.where(flag, v, jnp.nan), x)
-        # "nan": only what failed (elementwise for a diagonal solve, else the whole solve).
-        if jax.tree.structure(ok) == jax.tree.structure(x):
-            return jax.tree.map(lambda v, o: jnp.where(o, v, jnp.nan), x, ok)
-        return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
+    config = _Rule(residual_fn, linear_solver, steps, on_failure, has_aux)
 
     if rule == "vjp":
 
@@ -241,11 +219,7 @@ def _implicit_solve(
 
         def solve_bwd(saved, g):
             x, args, consts, tol, p = saved
-            g_x = split(g[0])[0]
-            _, vjp_x = jax.vjp(lambda y: residual_fn(y, *args, *consts), x)
-            w = linear_solve(lambda v: vjp_x(v)[0], g_x, tol, p=p)
-            _, vjp_params = jax.vjp(lambda a, c: residual_fn(x, *a, *c), args, consts)
-            args_bar, consts_bar = vjp_params(jax.tree.map(jnp.negative, w))
+            args_bar, consts_bar = _vjp_bwd(config, x, args, consts, tol, p, split(g[0])[0])
             return None, args_bar, consts_bar, None, None
 
         solve_p.defvjp(solve_fwd, solve_bwd)
@@ -262,27 +236,7 @@ def _implicit_solve(
             _, args_dot, consts_dot, _, _ = tangents
             out = solve(*primals)
             x, aux = split(out)
-            _, rhs = jax.jvp(
-                lambda a, c: residual_fn(x, *a, *c), (args, consts), (args_dot, consts_dot)
-            )
-            _, matvec = jax.linearize(lambda y: residual_fn(y, *args, *consts), x)
-            # The tangent solve must stay linear in the tangents (it is transposed for
-            # reverse mode), so its convergence is not checked on them: a probe, the
-            # same solve of a fixed right-hand side (a function of the primals alone),
-            # is, and its outcome scales the tangents by 1 or NaN (a product, linear in
-            # them: NaN also reaches reverse mode's cotangents, which a select would
-            # zero). A singular system otherwise gave finite garbage (1e16 from a dense
-            # LU, 1e50 from BiCGSTAB) for jax.jacfwd and jax.grad alike.
-            x_dot = linear_solve(matvec, jax.tree.map(jnp.negative, rhs), tol, check=False)
-            if on_failure != "ignore":
-                flat, unravel = ravel_pytree(x)
-                # (cosines at incommensurate angles: no structure a singular matrix's
-                # range would contain)
-                ramp = jnp.arange(flat.size, dtype=flat.dtype)
-                probe = _sharding.vary_like(unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5), x)
-                y = linear_solve(matvec, probe, tol, role="tangent")
-                scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
-                x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
+            x_dot = _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol)
             if has_aux:
                 # (zeros typed like their primals: under shard_map they vary alike)
                 return out, (x_dot, jax.custom_derivatives.zero_from_primal(aux))
@@ -292,6 +246,83 @@ def _implicit_solve(
     # the call would meet already varying values when the rule is lowered under vmap).
     tol = _sharding.vary_like(tol, (x_like, args))
     return solve(x0, args, residual_consts, solver_consts, tol)
+
+
+class _Rule(NamedTuple):
+    """The static part of one decorated solver's derivative rule (hashable: the rules'
+    bodies below are jitted with it static, so each is one compiled program, shared by
+    every call with the same shapes: called eagerly, JAX would otherwise dispatch, and
+    compile, their operations one by one, each adjoint solve's loop among them; 260
+    compilations for one eager jvp, jacfwd, hessian and grad of a GMRES-differentiated
+    fixed point, 27 s of compile time)."""
+
+    residual_fn: Callable  # (closure-converted: one object per residual and shapes)
+    linear_solver: Any
+    steps: Any
+    on_failure: str
+    has_aux: bool
+
+
+def _linear_solve(rule, matvec, b, tol, check=True, p=None, role="adjoint"):
+    linear_solver, steps, on_failure = rule.linear_solver, rule.steps, rule.on_failure
+    method, kind = linear_solver, linear_solver
+    # The solver's approximate inverse: refined, else linear_solver (not for "jfb",
+    # an approximation by design, nor "diagonal", checked elementwise).
+    if p is not None and linear_solver not in ("jfb", "diagonal"):
+        method = linear.refined(p, linear_solver, rtol=tol[0], atol=tol[1], max_steps=steps)
+        kind = "gmres"  # (checked by its residual, as an iterative solve is)
+    x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
+    if on_failure == "ignore" or not check:
+        return x
+    # (a NaN or inf right-hand side, an upstream NaN cotangent, passes: see converged)
+    ok, relative = linear.converged(kind, matvec, b, x, rtol=tol[0], atol=tol[1])
+    if on_failure == "raise":
+        everywhere = _all(ok)
+        worst = jnp.max(jnp.stack([jnp.max(r, initial=0.0) for r in jax.tree.leaves(relative)]))
+        flag = host_check(
+            everywhere, _adjoint_failure(linear_solver, role), (everywhere, worst, tol[0])
+        )
+        return jax.tree.map(lambda v: jnp.where(flag, v, jnp.nan), x)
+    # "nan": only what failed (elementwise for a diagonal solve, else the whole solve).
+    if jax.tree.structure(ok) == jax.tree.structure(x):
+        return jax.tree.map(lambda v, o: jnp.where(o, v, jnp.nan), x, ok)
+    return jax.tree.map(lambda v: jnp.where(ok, v, jnp.nan), x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _vjp_bwd(rule, x, args, consts, tol, p, g_x):
+    """rule='vjp': the cotangents of ``args`` and of the residual's constants."""
+    _, vjp_x = jax.vjp(lambda y: rule.residual_fn(y, *args, *consts), x)
+    w = _linear_solve(rule, lambda v: vjp_x(v)[0], g_x, tol, p=p)
+    _, vjp_params = jax.vjp(lambda a, c: rule.residual_fn(x, *a, *c), args, consts)
+    return vjp_params(jax.tree.map(jnp.negative, w))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jvp_tangent(rule, x, args, consts, args_dot, consts_dot, tol):
+    """rule='jvp': the solution's tangent."""
+    _, rhs = jax.jvp(
+        lambda a, c: rule.residual_fn(x, *a, *c), (args, consts), (args_dot, consts_dot)
+    )
+    _, matvec = jax.linearize(lambda y: rule.residual_fn(y, *args, *consts), x)
+    # The tangent solve must stay linear in the tangents (it is transposed for reverse
+    # mode), so its convergence is not checked on them: a probe, the same solve of a
+    # fixed right-hand side (a function of the primals alone), is, and its outcome scales
+    # the tangents by 1 or NaN (a product, linear in them: NaN also reaches reverse
+    # mode's cotangents, which a select would zero). A singular system otherwise gave
+    # finite garbage (1e16 from a dense LU, 1e50 from BiCGSTAB) for jax.jacfwd and
+    # jax.grad alike.
+    x_dot = _linear_solve(rule, matvec, jax.tree.map(jnp.negative, rhs), tol, check=False)
+    if rule.on_failure != "ignore":
+        flat, unravel = ravel_pytree(x)
+        # (cosines at incommensurate angles: no structure a singular matrix's range
+        # would contain)
+        ramp = jnp.arange(flat.size, dtype=flat.dtype)
+        probe = _sharding.vary_like(unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5), x)
+        y = _linear_solve(rule, matvec, probe, tol, role="tangent")
+        scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
+        x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
+    return x_dot
 
 
 class AdjointSolveError(RuntimeError):
