@@ -35,6 +35,7 @@ if __name__ == "__main__":  # not when collected by pytest: the flag is for this
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -312,6 +313,12 @@ MODES = ("auto", "explicit", "shard_map", "pmap")
 CHECKS = ("value", "grad", "raise", "nan")
 
 
+@functools.cache
+def _mesh(kind):
+    """The 8 devices as one axis ``"b"`` of ``kind``."""
+    return jax.make_mesh((8,), ("b",), axis_types=(kind,))
+
+
 # Problems of a parameter c that does not vary over the mesh and a batch d that is sharded,
 # for --replicated: each maps (c, d) to one value per element of d (the loss is the sum of
 # their squares); c reaches the solver as one of its arguments (odeint: f(y, t, c)).
@@ -478,57 +485,71 @@ def _main_replicated(only=None):
     print("ALL PASS" if ok_all else "SOME FAILED", flush=True)
 
 
-def _run(mode, fn, a, on_failure, grad=False):
-    """``fn`` (or the gradient of ``sum(fn)``) over the batch ``a`` in ``mode``."""
+@functools.cache
+def _problem(name):
+    """``PROBLEMS[name]()``, built once: its solve function is then one Python object, so
+    the programs of its checks (below) are cached by JAX as well."""
+    return PROBLEMS[name]()
+
+
+@functools.cache
+def _program(name, mode, on_failure, grad):
+    """The compiled function of problem ``name`` (or of the gradient of ``sum(fn)``) in
+    ``mode``, one per (problem, mode, on_failure, grad): checks that run the same program
+    (``value`` and ``raise``, both with ``on_failure="raise"`` on a batch of one shape and
+    sharding) compile and trace it once."""
+    fn = _problem(name)[0]
 
     def loss(a):
         return jnp.sum(fn(a, on_failure))
 
+    def body(a):
+        return jax.grad(loss)(a) if grad else fn(a, on_failure)
+
     if mode == "pmap":
-        def per_device(a):
-            return jax.grad(loss)(a) if grad else fn(a, on_failure)
-
-        out = jax.pmap(per_device)(a.reshape(8, -1))
-        return np.asarray(out).reshape(-1), None
-    kind = AxisType.Explicit if mode in ("explicit", "shard_map") else AxisType.Auto
-    mesh = jax.make_mesh((8,), ("b",), axis_types=(kind,))
-    a = jax.device_put(a, NamedSharding(mesh, P("b")))
+        return jax.pmap(body)
     if mode == "shard_map":
-        def local(a):
-            return jax.grad(loss)(a) if grad else fn(a, on_failure)
+        return jax.jit(jax.shard_map(body, mesh=_mesh(AxisType.Explicit), in_specs=P("b"),
+                                     out_specs=P("b")))
+    return jax.jit(body)
 
-        g = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
-        with jax.set_mesh(mesh):
-            out = jax.block_until_ready(g(a))
+
+def _run(mode, name, a, on_failure, grad=False):
+    """Problem ``name``'s solve (or the gradient of its ``sum``) over the batch ``a`` in
+    ``mode``."""
+    g = _program(name, mode, on_failure, grad)
+    if mode == "pmap":
+        out = g(a.reshape(8, -1))
+        return np.asarray(out).reshape(-1), None
+    mesh = _mesh(AxisType.Explicit if mode in ("explicit", "shard_map") else AxisType.Auto)
+    a = jax.device_put(a, NamedSharding(mesh, P("b")))
+    if mode == "auto":
+        out = jax.block_until_ready(g(a))
     else:
-        g = jax.jit(jax.grad(loss) if grad else (lambda a: fn(a, on_failure)))
-        if mode == "explicit":
-            with jax.set_mesh(mesh):
-                out = jax.block_until_ready(g(a))
-        else:
+        with jax.set_mesh(mesh):
             out = jax.block_until_ready(g(a))
     spec = getattr(out.sharding, "spec", None)
     return np.asarray(out), spec
 
 
 def case(name, mode, check):
-    fn, good, bad, x_star, dx = PROBLEMS[name]()
+    _, good, bad, x_star, dx = _problem(name)
     a = jnp.full(N, good, jnp.float32)
     if check in ("raise", "nan"):
         a = a.at[BAD].set(bad)
     if check == "value":
-        out, spec = _run(mode, fn, a, "raise")
+        out, spec = _run(mode, name, a, "raise")
         ok = np.allclose(out, x_star, rtol=1e-3, atol=1e-4)
         sharded = spec is None or tuple(spec)[:1] == ("b",)
         return ok and sharded, f"max err {np.max(np.abs(out - x_star)):.1e}, out spec {spec}"
     if check == "grad":
-        out, spec = _run(mode, fn, a, "raise", grad=True)
+        out, spec = _run(mode, name, a, "raise", grad=True)
         ok = np.allclose(out, dx, rtol=1e-2, atol=1e-4)
         sharded = spec is None or tuple(spec)[:1] == ("b",)
         return ok and sharded, f"max err {np.max(np.abs(out - dx)):.1e}, grad spec {spec}"
     whole = name.startswith("whole")  # one solve: a failing element fails all of it
     if check == "nan":
-        out, _ = _run(mode, fn, a, "nan")
+        out, _ = _run(mode, name, a, "nan")
         nan = np.isnan(out)
         if whole:  # the shard (or batch) holding the failure is NaN, the others not
             return bool(nan[BAD]) and not nan.all() or (mode in ("auto", "explicit")
@@ -536,7 +557,7 @@ def case(name, mode, check):
                 f"nan at {np.flatnonzero(nan).tolist()[:10]}..."
         return (bool(nan[BAD]) and nan.sum() == 1), f"nan at {np.flatnonzero(nan).tolist()}"
     try:
-        _run(mode, fn, a, "raise")
+        _run(mode, name, a, "raise")
     except Exception as err:  # noqa: BLE001 - any catchable error, its message checked
         msg = str(err)
         ok = "did not converge" in msg and (whole or f"first at index ({BAD},)" in msg)
