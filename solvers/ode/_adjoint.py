@@ -581,6 +581,22 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         # cotangent is refused; it reaches no input: the cast's transpose is dropped).
         return _sharding.vary_like(out, (z, cache, theta))
 
+    def substeps(z, theta, s, h):
+        # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
+        # derivative there (the next step's FSAL cache). Each substep is rematerialised
+        # in the backward pass: REFINE states are kept, not REFINE x stages of f's
+        # intermediates (a neural ODE's gradient: 198 -> 70 MB of XLA temp memory).
+        st = stepper_of(theta)
+        hs = h / REFINE
+
+        @jax.checkpoint
+        def body(i, z):
+            si = s + i * hs
+            return st.step(si, z, st.init(si, z), hs)[0]
+
+        z1 = jax.lax.fori_loop(0, REFINE, body, z)
+        return z1, st.init(s + h, z1)
+
     powers = jnp.arange(1, degree + 1, dtype=dtype)
 
     def back_step(i, carry, buf):
@@ -594,6 +610,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         zero_w = _sharding.zeros_like(weights)
         zero_e = zero_z if with_err else None
+        _, vjp = jax.vjp(
+            lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
+            zero_z if estimate else None,
+        )
         # Row 0: the cotangent. Row 1 (unless on_failure='ignore': nothing would report
         # it): the gradient's error estimate, the derivative of Σ λ_ε·e_n (the local
         # error estimates e_n weighted by λ_ε, the derivative of L with respect to an
@@ -605,132 +625,50 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         # own local error estimate, the cotangent through the embedded pair's error
         # estimate alone.
         rows = [(lam_z1, lam_cache, weights, zero_e)]
+        if estimate:
+            _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
+            (lam_eps,) = vjp_eps((lam_z1, lam_cache, weights, zero_e))
+            rows.append((mu_z1, mu_cache1, zero_w, lam_eps))
         if explicit:
-            if estimate:  # (an explicit step adds eps to z1: its cotangent is z1's)
-                rows.append((mu_z1, mu_cache1, zero_w, lam_z1))
             rows.append((zero_z, zero_c, zero_w, lam_z1))
-            dz, dcache, dtheta, mu_z, mu_cache, derr = explicit_back_step(
-                s, h, z, cache, rows, (lam_z1, lam_cache), (mu_z1, mu_cache1), err_bar)
-        else:
-            _, vjp = jax.vjp(lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache,
-                             theta, zero_z if estimate else None)
-            if estimate:
-                _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
-                (lam_eps,) = vjp_eps(rows[0])
-                rows.append((mu_z1, mu_cache1, zero_w, lam_eps))
-            out = jax.vmap(vjp)(_stack(*rows))
-            dz, dcache, dtheta, _ = _row(out, 0)
-            mu_z, mu_cache, derr = mu_z1, mu_cache1, jnp.zeros_like(err_bar)
-            if estimate:
-                mu_z, mu_cache, derr, _ = _row(out, 1)
-                derr = _flat(derr, dtype)
+        out = jax.vmap(vjp)(_stack(*rows))
+        dz, dcache, dtheta, _ = _row(out, 0)
+        mu_z, mu_cache, derr = mu_z1, mu_cache1, jnp.zeros_like(err_bar)
+        if estimate:
+            mu_z, mu_cache, derr, _ = _row(out, 1)
+            derr = _flat(derr, dtype)
+        if explicit:
+            # The steps were chosen for y alone; where they do not resolve the
+            # linearised dynamics (an exactly-zero solution: zero error estimates, steps
+            # growing tenfold), the step is differentiated as REFINE substeps (the
+            # derivative of a more accurate step, no longer of the computed one: its
+            # error is left out of the estimate, μ is carried through the substeps).
+            # The estimate is a function of z alone: the cached k0 = f(z) (FSAL) is z's
+            # too. (Without that path, Σ(b - b̂) = 0 no longer cancels the first-order
+            # term: an O(h) estimate instead of O(h⁵), 1e4 x the tolerance at rtol 1e-8
+            # on Lotka–Volterra, whose gradient then refined 177 of 207 steps: 6.5x the
+            # time, and half as accurate.)
+            _, vjp_k0 = jax.vjp(lambda z: _sharding.vary_like(stepper.init(s, z), z), z)
+            ez = out[0][-1] + vjp_k0(_row(out[1], -1))[0]
+            scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
+            ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
+
+            def refined(_):
+                _, vjp2 = jax.vjp(lambda z, th: substeps(z, th, s, h), z, theta)
+                dz2, dth2 = jax.vmap(vjp2)(_stack((lam_z1, lam_cache), (mu_z1, mu_cache1)))
+                # Outputs inside the step still come from its own continuous extension.
+                dzc, dcc, dthc, _ = vjp((zero_z, zero_c, weights, zero_e))
+                return (dz2[0] + dzc, dcc, jax.tree.map(jnp.add, _row(dth2, 0), dthc), dz2[1],
+                        zero_c, jnp.zeros_like(derr))
+
+            dz, dcache, dtheta, mu_z, mu_cache, derr = _sharding.cond_once(
+                ratio > REFINE_LIMIT, refined,
+                lambda _: (dz, dcache, dtheta, mu_z, mu_cache, derr), None
+            )
         lam_z = dz + _small.matmul(inside, gz)
         dtheta = _flat(dtheta, dtype)
         return (lam_z, dcache, theta_bar + dtheta, mu_z, mu_cache, err_bar + derr,
                 size + jnp.linalg.norm(dtheta))
-
-    def init_of(s, z, theta):  # an explicit pair's cache at (s, z): f there (FSAL)
-        return _sharding.vary_like(stepper_of(theta).init(s, z), (z, theta))
-
-    def explicit_back_step(s, h, z, cache, rows, lam1, mu1, err_bar):
-        """An explicit method's step, differentiated along ``rows``: ``(dz, dcache,
-        dtheta, mu_z, mu_cache, derr)``.
-
-        The steps were chosen for y alone; where they do not resolve the linearised
-        dynamics (an exactly-zero solution: zero error estimates, steps growing
-        tenfold), the step is differentiated as REFINE equal substeps (the derivative of
-        a more accurate step, no longer of the computed one: its error is left out of the
-        estimate, μ is carried through the substeps). The adjoint's own local error
-        estimate (the last row; the cached k0 = f(z) is z's too, FSAL) says which.
-        (Without that path, Σ(b - b̂) = 0 no longer cancels the first-order term: an O(h)
-        estimate instead of O(h⁵), 1e4 x the tolerance at rtol 1e-8 on Lotka–Volterra,
-        whose gradient then refined 177 of 207 steps: 6.5x the time, and half as
-        accurate.)
-
-        Every step VJP here, the step's and its substeps', is the body of one loop, so
-        the step's linearisation and transpose are traced once (a branch of its own for
-        the substeps added a checkpointed loop, its transpose and a second transpose of
-        the step: tracing and lowering a Lotka–Volterra gradient took 1.1 s, 0.85 s now;
-        XLA's compile time did not change). Iteration 0: the step,
-        along ``rows``. If it needs refining, iterations 1 .. R - 1: the substeps 0 .. R -
-        2, forwards, for their end states (the VJP's primal output; its cotangents are
-        zero); iteration R: the step again, for the outputs inside it alone (they still
-        come from its own continuous extension); iterations R + 1 .. 2R: the substeps,
-        last first, from their start states. Each substep is rematerialised: the
-        backward pass keeps R states, not R x stages of f's intermediates (a neural
-        ODE's gradient: 198 -> 70 MB of XLA temp memory).
-        """
-        R = REFINE
-        hs = h / R
-        lam_z1, lam_cache = lam1
-        zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
-        zero_w, zero_e = _sharding.zeros_like(rows[0][2]), zero_z
-        zero_th = _sharding.zeros_like(theta)
-        n_rows, m = len(rows), 2 if estimate else 1  # (m: the substeps' rows, λ and μ)
-        step_rows = _stack(*rows)
-        zero_rows = _stack(*[(zero_z, zero_c, zero_w, zero_e)] * n_rows)
-        dense_rows = _stack(*[(zero_z, zero_c, rows[0][2], zero_e)]
-                            + [(zero_z, zero_c, zero_w, zero_e)] * (n_rows - 1))
-
-        def pick(c, a, b):
-            return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
-
-        def unit(c):
-            k, refine, states, a, th_sub, first, dense = c
-            forwards = (k >= 1) & (k < R)
-            backwards = k > R
-            j = jnp.where(forwards, k - 1, 2 * R - k)  # the substep
-            sub = forwards | backwards
-            s_u = jnp.where(sub, s + j * hs, s)
-            h_u = jnp.where(sub, hs, h)
-            z_u = jnp.where(sub, states[jnp.clip(j, 0, R - 1)], z)
-            k0, vjp_init = jax.vjp(lambda z, th: init_of(s_u, z, th), z_u, theta)
-            cache_u = pick(sub, k0, cache)
-            last = backwards & (j == R - 1)  # (its end derivative is the step's cache)
-            sub_rows = [(a[0], pick(last, lam_cache, zero_c), zero_w, zero_e)]
-            if estimate:
-                sub_rows.append((a[1], pick(last, mu1[1], zero_c), zero_w, zero_e))
-            sub_rows += [(zero_z, zero_c, zero_w, zero_e)] * (n_rows - m)
-            rows_u = pick(k == 0, step_rows, pick(k == R, dense_rows, pick(
-                forwards, zero_rows, _stack(*sub_rows))))
-            out, vjp = jax.vjp(lambda z, c, th, e: step_fn(z, c, th, e, s_u, h_u, None),
-                               z_u, cache_u, theta, zero_z if estimate else None)
-            dz, dc, dth, _ = jax.vmap(vjp)(rows_u)
-            # The cache k0 = f(z) of a substep is a function of its z (and the
-            # parameters); at iteration 0, the adjoint error estimate's row goes through it.
-            at_step = jax.tree.map(lambda v: jnp.concatenate([v[-1:], jnp.zeros_like(v[1:m])]),
-                                   dc)
-            dzi, dthi = jax.vmap(vjp_init)(pick(k == 0, at_step, jax.tree.map(
-                lambda v: v[:m], dc)))
-            ez = dz[-1] + dzi[0]
-            scale = atol + rtol * jnp.maximum(jnp.abs(dz[0]), jnp.abs(lam_z1))
-            ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
-            mu_step = ((dz[1], _row(dc, 1), _flat(_row(dth, 1), dtype)) if estimate else
-                       (mu1[0], mu1[1], jnp.zeros_like(err_bar)))
-            first = pick(k == 0, (dz[0], _row(dc, 0), _row(dth, 0)) + mu_step, first)
-            dense = pick(k == R, (dz[0], _row(dc, 0), _row(dth, 0)), dense)
-            refine = jnp.where(k == 0, ratio > REFINE_LIMIT, refine)
-            states = jnp.where(forwards, states.at[jnp.clip(j + 1, 0, R - 1)].set(out[0]),
-                               states)
-            # The running cotangents of the substeps' states (λ, μ): from the step's end.
-            a_sub = tuple(dz[r] + dzi[r] for r in range(m))
-            a = pick(k == 0, (lam_z1, mu1[0])[:m], pick(backwards, a_sub, a))
-            th_sub = pick(backwards, jax.tree.map(lambda acc, u, v: acc + u[0] + v[0], th_sub,
-                                                  dth, dthi), th_sub)
-            return k + 1, refine, states, a, th_sub, first, dense
-
-        states = _sharding.rows_like(z, R).at[0].set(z)
-        init = (
-            jnp.zeros((), jnp.int32), jnp.zeros((), bool), states, (zero_z,) * m, zero_th,
-            (zero_z, zero_c, zero_th, zero_z, zero_c, jnp.zeros_like(err_bar)),
-            (zero_z, zero_c, zero_th),
-        )
-        _, refine, _, a, th_sub, first, dense = _sharding.while_loop(
-            lambda c: (c[0] == 0) | (c[1] & (c[0] <= 2 * R)), unit, init)
-        refined = (a[0] + dense[0], dense[1], jax.tree.map(jnp.add, th_sub, dense[2]),
-                   a[1] if estimate else mu1[0], zero_c, jnp.zeros_like(err_bar))
-        return pick(refine, refined, first)
-
 
     def segment(carry):
         c, adj, status, t_fail = carry
