@@ -28,7 +28,6 @@ def _random_problem(rng, n, density):
 
 def _check_colouring(P, W, x):
     n = P.shape[0]
-    s = structure(P, n)
 
     def f(v):
         return W @ jnp.sin(v) + v**2 * jnp.cos(v[::-1])[0]  # the last term: column 0 dense
