@@ -18,6 +18,16 @@ from implicit import _lu
 from solvers.ode import _small
 
 
+# The kernels under test, jitted once (module level): one program per shape and dtype,
+# shared by the examples and tests that use it. Eagerly, each of their operations was
+# compiled on its own.
+_inverse = jax.jit(_lu.inverse)
+_factor_solve = jax.jit(lambda a, b: _lu.solve(_lu.factor(a), b))
+_factor_solve_transpose = jax.jit(lambda a, b: _lu.solve_transpose(_lu.factor(a), b))
+_iteration_solve = jax.jit(lambda a, b: _lu.iteration_solve(_lu.iteration_factor(a), b))
+_solve_positive_definite = jax.jit(_lu.solve_positive_definite)
+
+
 def _matrix(n, seed, dominance=3.0):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((n, n)) / np.sqrt(n) + dominance * np.eye(n)
@@ -61,7 +71,7 @@ def test_gauss_jordan_inverse_like_numpy(x64, n):
     if n == 2:
         mats.append(np.array([[1e-20, 1.0], [1.0, 1.0]]))
     for a in mats:
-        inv = np.asarray(_lu.inverse(jnp.asarray(a)))
+        inv = np.asarray(_inverse(jnp.asarray(a)))
         ref = np.linalg.inv(a)
         tol = 1e-14 * np.linalg.cond(a) * np.max(np.abs(ref))
         np.testing.assert_allclose(inv, ref, rtol=0, atol=tol)
@@ -72,7 +82,7 @@ def test_gauss_jordan_singular_is_not_finite(x64):
     # non-finite entries, never a number.
     for a in (np.zeros((3, 3)), np.array([[1.0, 2.0], [2.0, 4.0]]),
               np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 1.0, 1.0]])):
-        assert not np.all(np.isfinite(np.asarray(_lu.inverse(jnp.asarray(a)))))
+        assert not np.all(np.isfinite(np.asarray(_inverse(jnp.asarray(a)))))
 
 
 def test_gauss_jordan_under_vmap_and_jvp(x64):
@@ -129,7 +139,7 @@ def test_gauss_jordan_residual_property(n, seed):
         rng = np.random.default_rng(seed)
         a = rng.standard_normal((n, n))
         b = rng.standard_normal(n)
-        x = np.asarray(_lu.solve(_lu.factor(jnp.asarray(a)), jnp.asarray(b)))
+        x = np.asarray(_factor_solve(jnp.asarray(a), jnp.asarray(b)))
     assert np.max(np.abs(a @ x - b)) <= 1e-13 * np.linalg.cond(a) * (
         1 + np.max(np.abs(a)) * np.max(np.abs(x)))
 
@@ -145,7 +155,7 @@ def test_solve_positive_definite_property(n, seed, rank):
         g = rng.standard_normal((n, min(rank, n)))
         a = g @ g.T + 1e-6 * np.max(np.diag(g @ g.T)) * np.eye(n)
         b = rng.standard_normal(n)
-        x = np.asarray(_lu.solve_positive_definite(jnp.asarray(a), jnp.asarray(b)))
+        x = np.asarray(_solve_positive_definite(jnp.asarray(a), jnp.asarray(b)))
     ref = np.linalg.solve(a, b)
     assert np.max(np.abs(x - ref)) <= 1e-14 * np.linalg.cond(a) * np.max(np.abs(ref))
 
@@ -164,7 +174,7 @@ def test_solve_transpose_like_numpy(x64, n):
         if n == 1:
             a = np.array([[2.5]])
         b = np.random.default_rng(n).standard_normal(n)
-        x = _lu.solve_transpose(_lu.factor(jnp.asarray(a)), jnp.asarray(b))
+        x = _factor_solve_transpose(jnp.asarray(a), jnp.asarray(b))
         np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.T, b), rtol=1e-11,
                                    atol=1e-12)
 
@@ -186,8 +196,7 @@ def test_iteration_solve_residual_property(n, seed):
     with jax.enable_x64(True):
         a = _matrix(n, seed)
         b = np.random.default_rng(seed + 1).standard_normal(n)
-        x = np.asarray(_lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)),
-                                           jnp.asarray(b)))
+        x = np.asarray(_iteration_solve(jnp.asarray(a), jnp.asarray(b)))
     assert np.max(np.abs(a @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
 
 

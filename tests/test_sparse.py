@@ -77,13 +77,15 @@ def test_band_colours_and_width():
 
 
 def _dense_solve_case(rng, n, density, c):
+    """``(s, factors, A)``: the structure of a random pattern and the factors of
+    ``I - c W`` (one jitted program: eagerly, each operation and loop of the Jacobian and
+    the factorisation was compiled on its own)."""
     P, W = _random_problem(rng, n, density)
-    W = W + n * np.eye(n) * 0.0
     s = structure(P, n)
-    f = lambda v: jnp.asarray(W) @ v  # noqa: E731
-    blocks = s.jacobian(f, jnp.zeros(n))
-    A = np.eye(n) - c * W
-    return s, s.factor(s.eye_minus(c, blocks)), A
+    factors = jax.jit(lambda W: s.factor(s.eye_minus(c, s.jacobian(lambda v: W @ v,
+                                                                    jnp.zeros(n)))))(
+        jnp.asarray(W))
+    return s, factors, np.eye(n) - c * W
 
 
 @pytest.mark.parametrize("n,density,c", [(1, 1.0, 0.3), (30, 0.08, 0.2), (80, 0.02, 0.7),
@@ -92,12 +94,12 @@ def test_block_lu_solve_against_numpy(x64, n, density, c):
     rng = np.random.default_rng(n)
     s, factors, A = _dense_solve_case(rng, n, density, c)
     b = rng.standard_normal(n)
-    x = s.solve(factors, jnp.asarray(b))
+    x, ax, inv_b = jax.jit(lambda factors, b: (
+        s.solve(factors, b), s.matvec(factors[1], b), s.apply_inverse(factors[0], b)))(
+        factors, jnp.asarray(b))
     np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
-    np.testing.assert_allclose(s.matvec(factors[1], jnp.asarray(b)), A @ b, rtol=1e-12,
-                               atol=1e-12)
-    np.testing.assert_allclose(s.apply_inverse(factors[0], jnp.asarray(b)),
-                               np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(ax, A @ b, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(inv_b, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
 
 
 def test_transpose_solve(x64):
@@ -107,13 +109,19 @@ def test_transpose_solve(x64):
     s, factors, A = _dense_solve_case(rng, n, 0.04, 0.5)
     b = jnp.asarray(rng.standard_normal(n))
     w = rng.standard_normal(n)
-    g = jax.grad(lambda b: jnp.dot(jnp.asarray(w), s.solve(factors, b)))(b)
+
+    @jax.jit  # (one program)
+    def derivatives(factors, b, w):
+        g = jax.grad(lambda b: jnp.dot(w, s.solve(factors, b)))(b)
+        # the transpose's own code path (as a linear solve's transpose), directly
+        xt = jax.linear_transpose(lambda v: s.solve(factors, v), b)(w)[0]
+        # and the linear solve's tangent
+        _, t = jax.jvp(lambda b: s.solve(factors, b), (b,), (w,))
+        return g, xt, t
+
+    g, xt, t = derivatives(factors, b, jnp.asarray(w))
     np.testing.assert_allclose(g, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
-    # and the transpose's own code path (as a linear solve's transpose), directly
-    xt = jax.linear_transpose(lambda v: s.solve(factors, v), b)(jnp.asarray(w))[0]
     np.testing.assert_allclose(xt, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
-    # jvp as well (the linear solve's tangent)
-    _, t = jax.jvp(lambda b: s.solve(factors, b), (b,), (jnp.asarray(w),))
     np.testing.assert_allclose(t, np.linalg.solve(A, w), rtol=1e-10, atol=1e-11)
 
 
@@ -134,12 +142,16 @@ def test_both_eliminations_against_numpy(x64, monkeypatch, reduce_max, tail, n, 
     if n == 1:
         A[0, 0] = 2.0
     s = Structure(w, n)
-    Aj = jnp.asarray(A)
-    factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
     b = rng.standard_normal(n)
-    np.testing.assert_allclose(s.solve(factors, jnp.asarray(b)), np.linalg.solve(A, b),
-                               rtol=1e-9, atol=1e-10)
-    g = jax.grad(lambda v: jnp.dot(jnp.asarray(b), s.solve(factors, v)))(jnp.zeros(n))
+
+    @jax.jit  # (one program: eagerly, each operation and loop was compiled on its own)
+    def solve_and_transpose(A, b):
+        factors = s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n)))
+        g = jax.grad(lambda v: jnp.dot(b, s.solve(factors, v)))(jnp.zeros(n))
+        return s.solve(factors, b), g
+
+    x, g = solve_and_transpose(jnp.asarray(A), jnp.asarray(b))
+    np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(g, np.linalg.solve(A.T, b), rtol=1e-9, atol=1e-10)
 
 
@@ -155,9 +167,8 @@ def test_singular_block_gives_nonfinite(x64, monkeypatch, reduce_max):
     assert abs(np.linalg.det(A)) > 0.5
     s = Structure(4, n)
     assert (s.block, s._identity) == (4, True)
-    Aj = jnp.asarray(A)
-    factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
-    x = s.solve(factors, jnp.ones(n))
+    x = jax.jit(lambda A: s.solve(s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n))),
+                                  jnp.ones(n)))(jnp.asarray(A))
     assert not np.all(np.isfinite(np.asarray(x)))
 
 
@@ -172,10 +183,15 @@ def test_solve_property_diagonally_dominant(n, w, seed):
         W = sp.diags([rng.uniform(-1, 1, n - abs(k)) for k in offsets], offsets).toarray()
         A = W + np.diag(np.abs(W).sum(1) + 1.0)
         s = Structure(w, n)
-        Aj = jnp.asarray(A)
-        factors = s.factor(s.jacobian(lambda v: Aj @ v, jnp.zeros(n)))
         b = rng.standard_normal(n)
-        x = np.asarray(s.solve(factors, jnp.asarray(b)))
+
+        # (one program per example: eagerly, each operation and loop of the factorisation
+        # and the solve was compiled on its own)
+        @jax.jit
+        def solve(A, b):
+            return s.solve(s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n))), b)
+
+        x = np.asarray(solve(jnp.asarray(A), jnp.asarray(b)))
         assert np.max(np.abs(A @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
 
 
