@@ -48,3 +48,14 @@ def _release_compiled_programs():
     yield
     if _map_count() > MAP_BUDGET:
         jax.clear_caches()
+
+
+#: Test files whose tests each run for tens of seconds (subprocesses with 8 simulated
+#: devices, notebooks on their own kernel, the demo): collected first, so that
+#: ``pytest -n`` (which hands tests out in collection order) starts them first and the
+#: short tests fill in after, instead of one worker finishing the last long test alone.
+LONG_FIRST = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_demo.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONG_FIRST)  # (stable)
