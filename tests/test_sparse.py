@@ -76,10 +76,17 @@ def test_band_colours_and_width():
     assert s.bandwidth == 1 and s.num_colors == 3
 
 
+def _factors(s, A):
+    """The factors of the matrix ``A`` (pattern ``s``), its Jacobian taken as the solvers
+    take one. Called inside ``jax.jit`` by the tests: eagerly, each operation and loop of
+    the Jacobian and the elimination was compiled on its own (310 programs for one
+    hypothesis test)."""
+    return s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(A.shape[0], A.dtype)))
+
+
 def _dense_solve_case(rng, n, density, c):
-    """``(s, factors, A)``: the structure of a random pattern and the factors of
-    ``I - c W`` (one jitted program: eagerly, each operation and loop of the Jacobian and
-    the factorisation was compiled on its own)."""
+    """``(s, factors, A)``: the structure of a random pattern ``W`` and the factors of
+    ``A = I - c W``, formed from ``W``'s blocks by ``eye_minus`` (one jitted program)."""
     P, W = _random_problem(rng, n, density)
     s = structure(P, n)
     factors = jax.jit(lambda W: s.factor(s.eye_minus(c, s.jacobian(lambda v: W @ v,
@@ -110,7 +117,7 @@ def test_transpose_solve(x64):
     b = jnp.asarray(rng.standard_normal(n))
     w = rng.standard_normal(n)
 
-    @jax.jit  # (one program)
+    @jax.jit
     def derivatives(factors, b, w):
         g = jax.grad(lambda b: jnp.dot(w, s.solve(factors, b)))(b)
         # the transpose's own code path (as a linear solve's transpose), directly
@@ -144,9 +151,9 @@ def test_both_eliminations_against_numpy(x64, monkeypatch, reduce_max, tail, n, 
     s = Structure(w, n)
     b = rng.standard_normal(n)
 
-    @jax.jit  # (one program: eagerly, each operation and loop was compiled on its own)
+    @jax.jit
     def solve_and_transpose(A, b):
-        factors = s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n)))
+        factors = _factors(s, A)
         g = jax.grad(lambda v: jnp.dot(b, s.solve(factors, v)))(jnp.zeros(n))
         return s.solve(factors, b), g
 
@@ -167,8 +174,7 @@ def test_singular_block_gives_nonfinite(x64, monkeypatch, reduce_max):
     assert abs(np.linalg.det(A)) > 0.5
     s = Structure(4, n)
     assert (s.block, s._identity) == (4, True)
-    x = jax.jit(lambda A: s.solve(s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n))),
-                                  jnp.ones(n)))(jnp.asarray(A))
+    x = jax.jit(lambda A: s.solve(_factors(s, A), jnp.ones(n)))(jnp.asarray(A))
     assert not np.all(np.isfinite(np.asarray(x)))
 
 
@@ -184,14 +190,8 @@ def test_solve_property_diagonally_dominant(n, w, seed):
         A = W + np.diag(np.abs(W).sum(1) + 1.0)
         s = Structure(w, n)
         b = rng.standard_normal(n)
-
-        # (one program per example: eagerly, each operation and loop of the factorisation
-        # and the solve was compiled on its own)
-        @jax.jit
-        def solve(A, b):
-            return s.solve(s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(n))), b)
-
-        x = np.asarray(solve(jnp.asarray(A), jnp.asarray(b)))
+        x = np.asarray(jax.jit(lambda A, b: s.solve(_factors(s, A), b))(jnp.asarray(A),
+                                                                         jnp.asarray(b)))
         assert np.max(np.abs(A @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
 
 
