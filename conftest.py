@@ -24,8 +24,9 @@ import os
 #: elemental emitter at -O0 computes kvaerno5's discrete adjoint wrongly, 5e-7 off
 #: forward mode on Lotka-Volterra at rtol 1e-9 with adjoint_window=32 and 1e-2 off with
 #: 512, where they agree to 1e-14 under XLA's defaults, under each flag alone and with
-#: window 1 (the replay retakes the forward's steps exactly there; the miscompiled
-#: operation was not isolated): not used. -O1: no faster than these flags.)
+#: window 1 (the replay retakes the forward's steps exactly there, and its buffer written
+#: as a select of the whole buffer instead of an in-place row update gives the right
+#: gradient): not used. -O1: no faster than these flags.)
 #: ``TEST_XLA_CODEGEN=default`` runs the suite with XLA's defaults
 #: (``make test-default-codegen``); ``make demo``, ``make bench`` and ``make docs`` never
 #: use these flags.
