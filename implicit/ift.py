@@ -252,9 +252,9 @@ class _RuleConfig(NamedTuple):
     """The static part of one decorated solver's derivative rule (hashable: the rules'
     bodies below are jitted with it static, so each is one compiled program, shared by
     every call with the same shapes: called eagerly, JAX would otherwise dispatch, and
-    compile, their operations one by one, each adjoint solve's loop among them: 260
-    compilations for one eager jvp, jacfwd, hessian and grad of a GMRES-differentiated
-    fixed point, 36 now; 14.7 -> 5.9 s)."""
+    compile, their operations one by one, each adjoint solve's loop among them: one
+    eager jvp, jacfwd, hessian and grad of a GMRES-differentiated fixed point compiled
+    260 programs in 14.7 s that way, 36 in 5.9 s jitted)."""
 
     residual_fn: Callable  # (closure-converted: one object per residual and shapes)
     linear_solver: Any

@@ -22,8 +22,8 @@ from solvers.ode import _small
 # shared by the examples and tests that use it. Eagerly, each of their operations was
 # compiled on its own.
 _inverse = jax.jit(_lu.inverse)
-_factor_solve = jax.jit(lambda a, b: _lu.solve(_lu.factor(a), b))
-_factor_solve_transpose = jax.jit(lambda a, b: _lu.solve_transpose(_lu.factor(a), b))
+_solve_via_factor = jax.jit(lambda a, b: _lu.solve(_lu.factor(a), b))
+_solve_transpose_via_factor = jax.jit(lambda a, b: _lu.solve_transpose(_lu.factor(a), b))
 _iteration_solve = jax.jit(lambda a, b: _lu.iteration_solve(_lu.iteration_factor(a), b))
 _solve_positive_definite = jax.jit(_lu.solve_positive_definite)
 
@@ -139,7 +139,7 @@ def test_gauss_jordan_residual_property(n, seed):
         rng = np.random.default_rng(seed)
         a = rng.standard_normal((n, n))
         b = rng.standard_normal(n)
-        x = np.asarray(_factor_solve(jnp.asarray(a), jnp.asarray(b)))
+        x = np.asarray(_solve_via_factor(jnp.asarray(a), jnp.asarray(b)))
     assert np.max(np.abs(a @ x - b)) <= 1e-13 * np.linalg.cond(a) * (
         1 + np.max(np.abs(a)) * np.max(np.abs(x)))
 
@@ -174,7 +174,7 @@ def test_solve_transpose_like_numpy(x64, n):
         if n == 1:
             a = np.array([[2.5]])
         b = np.random.default_rng(n).standard_normal(n)
-        x = _factor_solve_transpose(jnp.asarray(a), jnp.asarray(b))
+        x = _solve_transpose_via_factor(jnp.asarray(a), jnp.asarray(b))
         np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.T, b), rtol=1e-11,
                                    atol=1e-12)
 
