@@ -41,8 +41,9 @@ if os.environ.get("TEST_XLA_CODEGEN", "cheap") == "cheap":
 #: the same problem, from another test or file: JAX's in-memory caches are per function
 #: object) is loaded instead of compiled again, and every run starts cold, so nothing
 #: carries over between runs. Programs that compile in under ``CACHE_MIN_COMPILE_S`` are
-#: not written. Measured: tests/test_ode.py and tests/test_ode_gradients.py in one
-#: process, 201 -> 191 s.
+#: not written. Measured, clean-clone ``.ci/run`` on a 2-core machine, back to back
+#: (without, with, without): tests 1146, 1008, 1059 s (8.6% less than the two runs
+#: without), user CPU 36.6, 32.3, 34.0 min.
 CACHE_MIN_COMPILE_S = "0.3"
 _CACHE_DIR = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
