@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SUITES = ["fixed_point", "root", "bracket", "ode", "neural_ode", "minimize"]
+SUITES = ["fixed_point", "root", "bracket", "ode", "neural_ode", "minimize", "price"]
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ["jax", "jaxlib", "jaxopt", "optimistix", "lineax", "diffrax", "optax", "scipy"]
 
