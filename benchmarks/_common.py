@@ -56,6 +56,13 @@ def compile_time(fn, *args):
     return seconds, Compiled(jitted, aot)
 
 
+def fresh_compile_time(fn, *args):
+    """:func:`compile_time` from cleared caches: tracing, lowering and compiling from
+    scratch (no cached traces of inner jitted functions)."""
+    jax.clear_caches()
+    return compile_time(lambda *a: fn(*a), *args)
+
+
 def temp_memory_bytes(compiled):
     """XLA temporary (scratch) memory of a compiled function, in bytes (None if unknown)."""
     try:

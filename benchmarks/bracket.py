@@ -22,7 +22,7 @@ import scipy.optimize
 
 import solvers
 from benchmarks._common import time_rows as _common_time_rows
-from benchmarks._common import OURS, Row, compile_time, print_table
+from benchmarks._common import OURS, Row, fresh_compile_time, print_table
 
 N = 100_000
 LOWER, UPPER = 0.0, 100.0
@@ -89,16 +89,12 @@ def rel_error(x, ref):
     return float(np.max(np.abs(np.asarray(x, np.float64) - ref) / np.abs(ref)))
 
 
-def _fresh_compile_time(fn, *args):
-    jax.clear_caches()
-    return compile_time(lambda *a: fn(*a), *args)
-
 
 def measure(name, group, solve, a, x_ref, g_ref):
     """One row: compile s and errors now; run times by :func:`time_rows`."""
     vg = jax.value_and_grad(lambda a: jnp.sum(solve(a)))
     seconds, compiled = min(
-        (_fresh_compile_time(vg, a) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
+        (fresh_compile_time(vg, a) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
     )
     _, grad = compiled(a)
     forward = jax.jit(solve)

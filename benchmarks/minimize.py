@@ -32,7 +32,7 @@ import numpy as np
 import scipy.optimize
 
 import solvers
-from benchmarks._common import OURS, Row, compile_time, print_table
+from benchmarks._common import OURS, Row, fresh_compile_time, print_table
 from benchmarks._common import time_rows as _common_time_rows
 
 N_TRAIN, N_VAL, D = 1000, 500, 100
@@ -164,10 +164,6 @@ def optax_unrolled(steps=UNROLL_STEPS):
     return solve
 
 
-def _fresh_compile_time(fn, *args):
-    jax.clear_caches()
-    return compile_time(lambda *a: fn(*a), *args)
-
 
 TIMERS = {}  # id(row) -> {metric: (function, args)}
 
@@ -181,7 +177,7 @@ def measure(name, group, solve, log_lam, data, ref):
     vg = jax.value_and_grad(outer)
     args = (log_lam, xt, yt, xv, yv)
     seconds, compiled = min(
-        (_fresh_compile_time(vg, *args) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
+        (fresh_compile_time(vg, *args) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
     )
     _, grad = compiled(*args)
     g = np.asarray(grad, np.float64)

@@ -8,7 +8,8 @@ would pick instead, on the same problem as the suite it comes from:
 - compile s: trace, lower and compile from cleared caches (``jax.clear_caches()``), the
   fastest of ``COMPILE_ROUNDS``, round-robin over every call of the table (machine load
   hits them alike);
-- run ms: the fastest call of ``RUN_ROUNDS`` round-robin rounds;
+- run ms: the fastest call of ``RUN_ROUNDS`` round-robin rounds, through ``jax.jit``
+  (as every suite: the ahead-of-time object's call path costs more with a host callback);
 - ours / peer: the default call's compile and run time over the peer's;
 - checks' price: ``raise`` over ``ignore``, minus one (issue 35's targets: at most 10% of
   run time and 15% of compile time).
@@ -18,14 +19,12 @@ Run: ``python -m benchmarks price`` (also part of ``make bench``).
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import bracket, fixed_point, minimize, neural_ode, ode, root
-from benchmarks._common import OURS, Row, print_table, run_times_interleaved
+from benchmarks._common import OURS, Row, fresh_compile_time, print_table, run_times_interleaved
 
 COMPILE_ROUNDS = 3
 RUN_ROUNDS = 10
@@ -139,11 +138,13 @@ CASES = [
 
 
 def _compile(loss, args, x64):
-    jax.clear_caches()
     with jax.enable_x64(x64):
-        start = time.perf_counter()
-        compiled = jax.jit(jax.value_and_grad(loss)).lower(*args).compile()
-        return time.perf_counter() - start, compiled
+        return fresh_compile_time(jax.value_and_grad(loss), *args)
+
+
+def _call(compiled, args, x64):
+    with jax.enable_x64(x64):  # (jit's dispatch cache is keyed by the x64 mode)
+        return compiled(*args)
 
 
 def main():
@@ -162,7 +163,8 @@ def main():
         for key, (loss, args, x64, _) in calls.items():
             compile_s[key].append(_compile(loss, args, x64)[0])
     run_s = run_times_interleaved(
-        {key: (lambda c=compiled, a=args: c(*a)) for key, (_, args, _, compiled) in calls.items()},
+        {key: (lambda c=compiled, a=args, x=x64: _call(c, a, x))
+         for key, (_, args, x64, compiled) in calls.items()},
         rounds=RUN_ROUNDS)
     rows = []
     for name, peer, *_ in CASES:

@@ -35,7 +35,7 @@ import scipy.sparse.linalg
 
 import solvers
 from benchmarks._common import time_rows as _common_time_rows
-from benchmarks._common import OURS, Row, compile_time, print_table, temp_memory_bytes
+from benchmarks._common import OURS, Row, fresh_compile_time, print_table, temp_memory_bytes
 
 N_DENSE = 64
 N_LARGE = 10_000
@@ -172,11 +172,6 @@ def jaxopt_broyden(F, n):
 # --------------------------------------------------------------------------- measuring
 
 
-def _fresh_compile_time(fn, *args):
-    """Trace, lower and compile from scratch (no cached traces of inner jitted functions)."""
-    jax.clear_caches()
-    return compile_time(lambda *a: fn(*a), *args)
-
 
 def measure(name, group, solve, theta, b, ref):
     """One row: compile s, grad temp MB and grad error now; run times by :func:`time_rows`."""
@@ -186,7 +181,7 @@ def measure(name, group, solve, theta, b, ref):
 
     vg = jax.value_and_grad(loss, argnums=(0, 1))
     seconds, compiled = min(
-        (_fresh_compile_time(vg, theta, b) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
+        (fresh_compile_time(vg, theta, b) for _ in range(REPEAT_COMPILE)), key=lambda t: t[0]
     )
     _, grads = compiled(theta, b)
     row = Row(
@@ -365,7 +360,7 @@ def bratu_table():
     lam = jnp.float64(lam)
     for name, group, solve in makers:
         vg = jax.value_and_grad(lambda a, solve=solve: jnp.sum(solve(a)))
-        seconds, compiled = _fresh_compile_time(vg, lam)
+        seconds, compiled = fresh_compile_time(vg, lam)
         row = Row(name, group, {"compile s": seconds,
                                 "grad temp MB": (temp_memory_bytes(compiled) or 0) / 2**20})
         try:
