@@ -43,6 +43,9 @@ GRADIENT_LIMIT = 0.05
 
 #: Substeps of an explicit step whose adjoint local error estimate exceeds the tolerance.
 REFINE = 16
+#: The discrete adjoint's backward trips (:func:`_discrete_bwd`): a step, a substep
+#: forwards, a substep backwards, a refined step's outputs inside it.
+STEP, SUB_FWD, SUB_BWD, DENSE = 0, 1, 2, 3
 #: ... when the estimate exceeds this many times the forward tolerances (the steps were
 #: chosen to make y's own estimate about 1; measured, the adjoint's: median 1 to 6, at
 #: most 40 at rtol 1e-6 and 410 at 1e-12 on Lotka–Volterra and a Kepler orbit with
@@ -581,68 +584,82 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         # cotangent is refused; it reaches no input: the cast's transpose is dropped).
         return _sharding.vary_like(out, (z, cache, theta))
 
-    def substeps(z, theta, s, h):
-        # The step retaken as REFINE equal substeps (explicit methods): z(s + h) and the
-        # derivative there (the next step's FSAL cache). Each substep is rematerialised
-        # in the backward pass: REFINE states are kept, not REFINE x stages of f's
-        # intermediates (a neural ODE's gradient: 198 -> 70 MB of XLA temp memory).
-        st = stepper_of(theta)
-        hs = h / REFINE
-
-        @jax.checkpoint
-        def body(i, z):
-            si = s + i * hs
-            return st.step(si, z, st.init(si, z), hs)[0]
-
-        z1 = jax.lax.fori_loop(0, REFINE, body, z)
-        return z1, st.init(s + h, z1)
-
     powers = jnp.arange(1, degree + 1, dtype=dtype)
 
-    def back_step(i, carry, buf):
-        lam_z, lam_cache, theta_bar, mu_z1, mu_cache1, err_bar, size = carry
-        s, h, s1, z, cache, ks = _row(buf, i)
+    def where(pred, a, b):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), a, b)
+
+    def back_step(carry, buf):
+        """One trip of the backward loop: one ``jax.vjp`` of ``step_fn``.
+
+        ``carry = (k, mode, j, states, adj)``: steps ``0 .. k-1`` of the segment remain,
+        the cotangents are ``adj``; ``states`` holds the steps' start states and caches
+        (rows ``0 .. W-1``, from the replay) and a refined step's substep states (rows
+        ``W ..``). In mode ``STEP`` the trip differentiates step ``k - 1``. Where its
+        adjoint's own error estimate is too large (explicit methods), the step is
+        differentiated as ``REFINE`` equal substeps instead, by the same vjp on the trips
+        that follow (one program: a loop of the substeps' own vjp cost more to compile
+        than the rest of the backward pass, and ran for every element under vmap):
+        ``SUB_FWD`` trips take the substeps forwards (substep ``j + 1``'s start to row
+        ``W + j``), ``SUB_BWD`` trips take the cotangent back through them, and a
+        ``DENSE`` trip adds the cotangents of the outputs inside the step, which still
+        come from the step's own continuous extension, and finishes the step.
+        """
+        k, mode, j, states, adj = carry
+        lam_z, lam_cache, theta_bar, mu_z, mu_cache, err_bar, size = adj
+        s, h, s1, _, _, ks = _row(buf, k - 1)
         exact = (ts == s1).astype(dtype)
         inside = ((ts > s) & (ts < s1)).astype(dtype)
         frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
-        lam_z1 = lam_z + _small.matmul(exact, gz)
         weights = _small.matmul((inside[:, None] * frac[:, None] ** powers[None, :]).T, gz)
+        step, dense_only = mode == STEP, mode == DENSE
+        # An output at the step's end enters once, at the start of the step's trips.
+        lam_z1 = lam_z + _small.matmul(exact * step, gz)
+        row = k - 1
+        if explicit:  # (the substeps' start, size and state on SUB_* trips)
+            on_sub = (mode == SUB_FWD) | (mode == SUB_BWD)
+            hs = h / REFINE
+            s, h = jnp.where(on_sub, s + j * hs, s), jnp.where(on_sub, hs, h)
+            row = jnp.where(on_sub & (j > 0), W - 1 + j, row)
+        z, cache = _row(states, row)
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         zero_w = _sharding.zeros_like(weights)
         zero_e = zero_z if with_err else None
-        _, vjp = jax.vjp(
+        (z1, cache1, _, _), vjp = jax.vjp(
             lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
             zero_z if estimate else None,
         )
-        # Row 0: the cotangent. Row 1 (unless on_failure='ignore': nothing would report
-        # it): the gradient's error estimate, the derivative of Σ λ_ε·e_n (the local
-        # error estimates e_n weighted by λ_ε, the derivative of L with respect to an
-        # error made at step n: to first order, the solution's error in L) with λ_ε held
-        # fixed; a second cotangent μ carries its state dependence back (μ_n =
-        # (∂Φ_n/∂z)ᵀ μ_{n+1} + (∂e_n/∂z)ᵀ λ_ε). λ_ε is the cotangent of a perturbation
-        # where the step makes its error (eps: z1 of a one-step method, the corrector of
-        # BDF, so that its history sees it too). Row 2 (explicit methods): the adjoint's
-        # own local error estimate, the cotangent through the embedded pair's error
-        # estimate alone.
-        rows = [(lam_z1, lam_cache, weights, zero_e)]
+        # Row 0: the cotangent (the continuous extension's weights alone on a DENSE
+        # trip). Row 1 (unless on_failure='ignore': nothing would report it): the
+        # gradient's error estimate, the derivative of Σ λ_ε·e_n (the local error
+        # estimates e_n weighted by λ_ε, the derivative of L with respect to an error
+        # made at step n: to first order, the solution's error in L) with λ_ε held fixed;
+        # a second cotangent μ carries its state dependence back (μ_n = (∂Φ_n/∂z)ᵀ μ_{n+1}
+        # + (∂e_n/∂z)ᵀ λ_ε). λ_ε is the cotangent of a perturbation where the step makes
+        # its error (eps: z1 of a one-step method, the corrector of BDF, so that its
+        # history sees it too); a substep's error is left out (μ is carried through). Row
+        # 2 (explicit methods): the adjoint's own local error estimate, the cotangent
+        # through the embedded pair's error estimate alone.
+        row0 = where(dense_only, (zero_z, zero_c), (lam_z1, lam_cache))
+        row0 = (*row0, jnp.where(step | dense_only, weights, zero_w), zero_e)
+        rows = [row0]
         if estimate:
             _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
-            (lam_eps,) = vjp_eps((lam_z1, lam_cache, weights, zero_e))
-            rows.append((mu_z1, mu_cache1, zero_w, lam_eps))
+            (lam_eps,) = vjp_eps(row0)
+            rows.append((mu_z, mu_cache, zero_w, jnp.where(step, lam_eps, zero_z)))
         if explicit:
             rows.append((zero_z, zero_c, zero_w, lam_z1))
         out = jax.vmap(vjp)(_stack(*rows))
         dz, dcache, dtheta, _ = _row(out, 0)
-        mu_z, mu_cache, derr = mu_z1, mu_cache1, jnp.zeros_like(err_bar)
+        mu_new, derr = (mu_z, mu_cache), jnp.zeros_like(err_bar)
         if estimate:
-            mu_z, mu_cache, derr, _ = _row(out, 1)
-            derr = _flat(derr, dtype)
+            mu_new, derr = _row(out, 1)[:2], _flat(_row(out, 1)[2], dtype)
+        refine = jnp.zeros((), bool)
         if explicit:
             # The steps were chosen for y alone; where they do not resolve the
             # linearised dynamics (an exactly-zero solution: zero error estimates, steps
-            # growing tenfold), the step is differentiated as REFINE substeps (the
-            # derivative of a more accurate step, no longer of the computed one: its
-            # error is left out of the estimate, μ is carried through the substeps).
+            # growing tenfold), the step is differentiated as its substeps (the
+            # derivative of a more accurate step, no longer of the computed one).
             # The estimate is a function of z alone: the cached k0 = f(z) (FSAL) is z's
             # too. (Without that path, Σ(b - b̂) = 0 no longer cancels the first-order
             # term: an O(h) estimate instead of O(h⁵), 1e4 x the tolerance at rtol 1e-8
@@ -652,32 +669,45 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             ez = out[0][-1] + vjp_k0(_row(out[1], -1))[0]
             scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
             ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
+            refine = step & (ratio > REFINE_LIMIT)
+            fwd, bwd = mode == SUB_FWD, mode == SUB_BWD
+            # A SUB_FWD trip keeps its end (the next substep's start); the others write
+            # the last row, which is never read.
+            slot = jnp.where(fwd, W + j, W + REFINE - 1)
+            states = jax.tree.map(lambda b, v: b.at[slot].set(v), states, (z1, cache1))
+            # Trips: STEP (refined) -> SUB_FWD (j = 0 .. REFINE-2) -> SUB_BWD (j = REFINE-1
+            # .. 0) -> DENSE -> STEP (the step before).
+            mode = jnp.where(refine | fwd & (j + 2 < REFINE), SUB_FWD, jnp.where(
+                fwd | bwd & (j > 0), SUB_BWD, jnp.where(bwd, DENSE, STEP))).astype(i32)
+            j = jnp.where(fwd, j + 1, jnp.where(bwd, j - 1, 0)).astype(i32)
+        # The cotangents: replaced by the vjp's (a step, or a substep backwards), added
+        # to (a DENSE trip), or kept (a refined step's first trip keeps its end's output
+        # cotangent; SUB_FWD trips).
+        take = (step & ~refine) | (carry[1] == SUB_BWD)
+        done = (step & ~refine) | dense_only
+        lam_z = jnp.where(take, dz, jnp.where(dense_only, lam_z + dz, lam_z1))
+        lam_z = lam_z + _small.matmul(inside * done, gz)
+        lam_cache = where(take, dcache, where(dense_only, jax.tree.map(jnp.add, lam_cache,
+                                                                        dcache), lam_cache))
+        mu_z, mu_cache = where(take, mu_new, (mu_z, mu_cache))
+        dtheta = _flat(dtheta, dtype) * (take | dense_only)
+        adj = (lam_z, lam_cache, theta_bar + dtheta, mu_z, mu_cache,
+               err_bar + derr * (step & ~refine), size + jnp.linalg.norm(dtheta))
+        return k - done, mode, j, states, adj
 
-            def refined(_):
-                _, vjp2 = jax.vjp(lambda z, th: substeps(z, th, s, h), z, theta)
-                dz2, dth2 = jax.vmap(vjp2)(_stack((lam_z1, lam_cache), (mu_z1, mu_cache1)))
-                # Outputs inside the step still come from its own continuous extension.
-                dzc, dcc, dthc, _ = vjp((zero_z, zero_c, weights, zero_e))
-                return (dz2[0] + dzc, dcc, jax.tree.map(jnp.add, _row(dth2, 0), dthc), dz2[1],
-                        zero_c, jnp.zeros_like(derr))
-
-            dz, dcache, dtheta, mu_z, mu_cache, derr = _sharding.cond_once(
-                ratio > REFINE_LIMIT, refined,
-                lambda _: (dz, dcache, dtheta, mu_z, mu_cache, derr), None
-            )
-        lam_z = dz + _small.matmul(inside, gz)
-        dtheta = _flat(dtheta, dtype)
-        return (lam_z, dcache, theta_bar + dtheta, mu_z, mu_cache, err_bar + derr,
-                size + jnp.linalg.norm(dtheta))
+    def back_steps(count, buf, adj):
+        """The cotangents ``adj`` back through the segment's ``count`` steps."""
+        states = buf[3:5]
+        if explicit:  # (rows for a refined step's substep states)
+            states = jax.tree.map(
+                lambda b: jnp.concatenate([b, _sharding.rows_like(b[0], REFINE)]), states)
+        init = (count, jnp.asarray(STEP, i32), jnp.zeros((), i32), states, adj)
+        return _sharding.while_loop(lambda c: c[0] > 0, lambda c: back_step(c, buf), init)[4]
 
     def segment(carry):
         c, adj, status, t_fail = carry
         count, expected, buf = replay(c)
-
-        def body(j, inner):
-            return back_step(count - 1 - j, inner, buf)
-
-        adj = _sharding.fori_loop(0, count, body, adj)
+        adj = back_steps(count, buf, adj)
         lam_z, theta_bar = adj[0], adj[2]
         # The replay did not retake the forward's steps (never expected), or the cotangent
         # became NaN or inf (f's derivative is not finite there): fail, never a number.
