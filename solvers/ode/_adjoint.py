@@ -743,8 +743,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     theta_bar = theta_bar + dtheta[0]
     if estimate:
         # The gradient's error estimate against the gradient's size (y0's cotangent,
-        # plus the parameters' per-step contributions summed in norm, so that a gradient
-        # that cancels to nearly zero is not taken for a wrong one): past
+        # plus the parameters' per-step contributions summed in norm, a retaken step's
+        # per substep, so that a gradient that cancels to nearly zero is not taken for a
+        # wrong one): past
         # GRADIENT_LIMIT, fail. (Measured, van der Pol, mu = 1000 on [0, 3000],
         # kvaerno5: 1.37 at rtol 1e-6, the gradient 110x off; 0.15 at 1e-8, 5% off;
         # 0.017 at 1e-9, 0.4% off; below 4e-5 throughout the test suite.)
