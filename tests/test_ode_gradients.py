@@ -368,7 +368,6 @@ def test_discrete_adjoint_zero_solution_outputs_inside_substepped_steps(x64):
     np.testing.assert_allclose(g, np.sum(np.exp(-np.asarray(ts[1:]))), rtol=1e-3)
 
 
-
 def test_discrete_adjoint_substeps_memory_does_not_grow_with_their_number(monkeypatch):
     # A step retaken as REFINE substeps (above) is differentiated with each substep
     # rematerialised: its backward pass keeps REFINE states, not REFINE x stages of f's

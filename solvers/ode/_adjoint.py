@@ -589,6 +589,33 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     def where(pred, a, b):
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), a, b)
 
+    def adjoint_error_ratio(out, dz, lam_z1, s, z):
+        """An explicit step's adjoint local error estimate over the tolerances: the
+        cotangent through the embedded pair's error estimate alone (``out``'s last row).
+
+        The steps were chosen for y alone; where they do not resolve the linearised
+        dynamics (an exactly-zero solution: zero error estimates, steps growing tenfold),
+        this is large, and the step is differentiated as its substeps (the derivative of
+        a more accurate step, no longer of the computed one). The estimate is a function
+        of z alone: the cached k0 = f(z) (FSAL) is z's too. (Without that path, Σ(b - b̂)
+        = 0 no longer cancels the first-order term: an O(h) estimate instead of O(h⁵),
+        1e4 x the tolerance at rtol 1e-8 on Lotka–Volterra, whose gradient then refined
+        177 of 207 steps: 6.5x the time, and half as accurate.)
+        """
+        _, vjp_k0 = jax.vjp(lambda z: _sharding.vary_like(stepper.init(s, z), z), z)
+        ez = out[0][-1] + vjp_k0(_row(out[1], -1))[0]
+        scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
+        return jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
+
+    def next_trip(mode, j, refine):
+        """The backward loop's next ``(mode, j)``: STEP (refined) -> SUB_FWD (j = 0 ..
+        REFINE-2) -> SUB_BWD (j = REFINE-1 .. 0) -> DENSE -> STEP (the step before)."""
+        fwd, bwd = mode == SUB_FWD, mode == SUB_BWD
+        mode = jnp.where(refine | fwd & (j + 2 < REFINE), SUB_FWD, jnp.where(
+            fwd | bwd & (j > 0), SUB_BWD, jnp.where(bwd, DENSE, STEP)))
+        j = jnp.where(fwd, j + 1, jnp.where(bwd, j - 1, 0))
+        return mode.astype(i32), j.astype(i32)
+
     def back_step(carry, buf):
         """One trip of the backward loop: one ``jax.vjp`` of ``step_fn``.
 
@@ -612,12 +639,12 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         inside = ((ts > s) & (ts < s1)).astype(dtype)
         frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
         weights = _small.matmul((inside[:, None] * frac[:, None] ** powers[None, :]).T, gz)
-        step, dense_only = mode == STEP, mode == DENSE
+        step, fwd, bwd, dense_only = (mode == m for m in (STEP, SUB_FWD, SUB_BWD, DENSE))
         # An output at the step's end enters once, at the start of the step's trips.
         lam_z1 = lam_z + _small.matmul(exact * step, gz)
         row = k - 1
         if explicit:  # (the substeps' start, size and state on SUB_* trips)
-            on_sub = (mode == SUB_FWD) | (mode == SUB_BWD)
+            on_sub = fwd | bwd
             hs = h / REFINE
             s, h = jnp.where(on_sub, s + j * hs, s), jnp.where(on_sub, hs, h)
             row = jnp.where(on_sub & (j > 0), W - 1 + j, row)
@@ -656,35 +683,17 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
             mu_new, derr = _row(out, 1)[:2], _flat(_row(out, 1)[2], dtype)
         refine = jnp.zeros((), bool)
         if explicit:
-            # The steps were chosen for y alone; where they do not resolve the
-            # linearised dynamics (an exactly-zero solution: zero error estimates, steps
-            # growing tenfold), the step is differentiated as its substeps (the
-            # derivative of a more accurate step, no longer of the computed one).
-            # The estimate is a function of z alone: the cached k0 = f(z) (FSAL) is z's
-            # too. (Without that path, Σ(b - b̂) = 0 no longer cancels the first-order
-            # term: an O(h) estimate instead of O(h⁵), 1e4 x the tolerance at rtol 1e-8
-            # on Lotka–Volterra, whose gradient then refined 177 of 207 steps: 6.5x the
-            # time, and half as accurate.)
-            _, vjp_k0 = jax.vjp(lambda z: _sharding.vary_like(stepper.init(s, z), z), z)
-            ez = out[0][-1] + vjp_k0(_row(out[1], -1))[0]
-            scale = atol + rtol * jnp.maximum(jnp.abs(dz), jnp.abs(lam_z1))
-            ratio = jnp.sqrt(jnp.mean(jnp.square(ez / scale)))
-            refine = step & (ratio > REFINE_LIMIT)
-            fwd, bwd = mode == SUB_FWD, mode == SUB_BWD
+            refine = step & (adjoint_error_ratio(out, dz, lam_z1, s, z) > REFINE_LIMIT)
             # A SUB_FWD trip keeps its end (the next substep's start); the others write
             # the last row, which is never read.
             slot = jnp.where(fwd, W + j, W + REFINE - 1)
             states = jax.tree.map(lambda b, v: b.at[slot].set(v), states, (z1, cache1))
-            # Trips: STEP (refined) -> SUB_FWD (j = 0 .. REFINE-2) -> SUB_BWD (j = REFINE-1
-            # .. 0) -> DENSE -> STEP (the step before).
-            mode = jnp.where(refine | fwd & (j + 2 < REFINE), SUB_FWD, jnp.where(
-                fwd | bwd & (j > 0), SUB_BWD, jnp.where(bwd, DENSE, STEP))).astype(i32)
-            j = jnp.where(fwd, j + 1, jnp.where(bwd, j - 1, 0)).astype(i32)
+            mode, j = next_trip(mode, j, refine)
         # The cotangents: replaced by the vjp's (a step, or a substep backwards), added
         # to (a DENSE trip), or kept (a refined step's first trip keeps its end's output
         # cotangent; SUB_FWD trips).
-        take = (step & ~refine) | (carry[1] == SUB_BWD)
-        done = (step & ~refine) | dense_only
+        plain = step & ~refine  # (a step differentiated as taken)
+        take, done = plain | bwd, plain | dense_only
         lam_z = jnp.where(take, dz, jnp.where(dense_only, lam_z + dz, lam_z1))
         lam_z = lam_z + _small.matmul(inside * done, gz)
         lam_cache = where(take, dcache, where(dense_only, jax.tree.map(jnp.add, lam_cache,
@@ -692,7 +701,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         mu_z, mu_cache = where(take, mu_new, (mu_z, mu_cache))
         dtheta = _flat(dtheta, dtype) * (take | dense_only)
         adj = (lam_z, lam_cache, theta_bar + dtheta, mu_z, mu_cache,
-               err_bar + derr * (step & ~refine), size + jnp.linalg.norm(dtheta))
+               err_bar + derr * plain, size + jnp.linalg.norm(dtheta))
         return k - done, mode, j, states, adj
 
     def back_steps(count, buf, adj):
