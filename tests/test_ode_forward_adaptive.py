@@ -43,8 +43,7 @@ def van_der_pol(y, t, mu):
     return jnp.stack([y[1], mu * ((1 - y[0] ** 2) * y[1]) - y[0]])
 
 
-@pytest.fixture(scope="module")
-def vdp_reference():
+def vdp_reference_scipy():
     """d y1(3000) / d mu at mu = 1000: central differences (step 1) of SciPy Radau solves
     at rtol = atol = 1e-9: -0.0035336, as at rtol 1e-11 (which took 4x as long: 13 s)."""
 
@@ -55,6 +54,21 @@ def vdp_reference():
         return sol.y[0, -1]
 
     return (radau(1001.0) - radau(999.0)) / 2.0
+
+
+#: vdp_reference_scipy(), computed once (4 s on one core); ``make test-slow`` checks it
+#: against a fresh computation (test_vdp_reference_is_scipys).
+VDP_REFERENCE = -0.00353359833433764
+
+
+@pytest.fixture(scope="module")
+def vdp_reference():
+    return VDP_REFERENCE
+
+
+@pytest.mark.slow
+def test_vdp_reference_is_scipys():
+    np.testing.assert_allclose(vdp_reference_scipy(), VDP_REFERENCE, rtol=1e-7)
 
 
 def _vdp_gradient(method, rtol, diff=jax.grad):

@@ -17,7 +17,6 @@ random data and ``T`` as traced arguments; everything runs in float64 under a sc
 ``jax.enable_x64`` (the ``x64`` fixture), so nothing leaks into float32 tests.
 """
 
-import functools
 import os
 
 import jax
@@ -267,13 +266,31 @@ def test_van_der_pol_stiff_gradient_at_rtol_1e6_fails_loudly(x64):
         jax.block_until_ready(jax.jit(jax.grad(_vdp_final))(1000.0, 1e-6))
 
 
-@functools.lru_cache(maxsize=None)  # (mu = 30 serves two tests)
 def _vdp_scipy(mu, T):
     # rtol 1e-9: the central differences below agree with rtol 1e-11's to 1e-10 relative
     # at mu = 10, 30 and 100, in a third of the time (about 4 s a solve).
     sol = solve_ivp(lambda t, y: [y[1], mu * (1 - y[0] ** 2) * y[1] - y[0]], (0.0, T),
                     [2.0, 0.0], method="Radau", rtol=1e-9, atol=1e-9)
     return sol.y[0, -1]
+
+
+def _vdp_fd_scipy(mu, T, d):
+    """d y1(T) / d mu: central differences (step d) of SciPy Radau solves."""
+    return (_vdp_scipy(mu + d, T) - _vdp_scipy(mu - d, T)) / (2 * d)
+
+
+#: ``_vdp_fd_scipy(mu, T, d)`` for the (mu, T, d) of the tests below, computed once (the
+#: solves take about 8 s on one core) and checked against a fresh computation by
+#: ``make test-slow`` (test_vdp_references_are_scipys).
+VDP_FD = {(30.0, 90.0, 0.03): -0.0943618900309066,
+          (100.0, 300.0, 0.1): -0.03362835778172646,
+          (10.0, 40.0, 0.01): 0.24129493312233796}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(VDP_FD))
+def test_vdp_references_are_scipys(key):
+    np.testing.assert_allclose(_vdp_fd_scipy(*key), VDP_FD[key], rtol=1e-7)
 
 
 def _vdp_gradient(method, mu, T, rtol, on_failure):
@@ -295,8 +312,7 @@ WRONG_GRADIENTS = [("dopri5", 30.0, 1e-3), ("kvaerno5", 100.0, 1e-4), ("bdf", 30
 @pytest.mark.parametrize("method, mu, rtol", WRONG_GRADIENTS)
 def test_gradient_error_estimate_flags_wrong_gradients(x64, method, mu, rtol):
     T = 3 * mu
-    d = 1e-3 * mu
-    fd = (_vdp_scipy(mu + d, T) - _vdp_scipy(mu - d, T)) / (2 * d)
+    fd = VDP_FD[(mu, T, 1e-3 * mu)]
     ignored = float(_vdp_gradient(method, mu, T, rtol, "ignore"))
     assert abs(ignored - fd) > 0.5 * abs(fd), (ignored, fd)  # really wrong
     assert np.isnan(float(_vdp_gradient(method, mu, T, rtol, "nan")))
@@ -310,7 +326,7 @@ def test_gradient_error_estimate_passes_an_accurate_gradient(x64):
     # The same oscillator (mu = 10) at rtol 1e-6: 0.14% off (estimate: 0.1% of the
     # gradient's size), no failure.
     mu, T = 10.0, 40.0
-    fd = (_vdp_scipy(mu + 0.01, T) - _vdp_scipy(mu - 0.01, T)) / 0.02
+    fd = VDP_FD[(mu, T, 0.01)]
     g = float(_vdp_gradient("kvaerno5", mu, T, 1e-6, "raise"))
     assert abs(g - fd) <= 1e-2 * abs(fd), (g, fd)
 

@@ -67,13 +67,27 @@ def test_brusselator_forward_against_scipy(x64, method, sparsity):
     assert bool(info.converged)
 
 
+def brusselator_fd_scipy(eps=1e-5):
+    """d loss / d alpha at ALPHA: central differences of SciPy Radau solves (rtol 1e-12)."""
+    return (loss_np(radau(ALPHA + eps)) - loss_np(radau(ALPHA - eps))) / (2 * eps)
+
+
+#: brusselator_fd_scipy(), computed once (about 5 s on one core); ``make test-slow``
+#: checks it against a fresh computation (test_brusselator_reference_is_scipys).
+BRUSSELATOR_FD = -1425.8114969578626
+
+
+@pytest.mark.slow
+def test_brusselator_reference_is_scipys():
+    np.testing.assert_allclose(brusselator_fd_scipy(), BRUSSELATOR_FD, rtol=1e-7)
+
+
 @pytest.mark.parametrize("method,adjoint", [("bdf", "discrete"),
                                             pytest.param("kvaerno5", "discrete",
                                                          marks=pytest.mark.slow),
                                             ("kvaerno5", "forward")])
 def test_brusselator_gradient_against_finite_differences(x64, method, adjoint):
-    eps = 1e-5
-    fd = (loss_np(radau(ALPHA + eps)) - loss_np(radau(ALPHA - eps))) / (2 * eps)
+    fd = BRUSSELATOR_FD
     diff = jax.jacfwd if adjoint == "forward" else jax.grad
     grad = diff(lambda a: loss(solvers.odeint(
         brusselator, jnp.asarray(initial(N)), jnp.asarray(TS), a, method=method, rtol=1e-9,
