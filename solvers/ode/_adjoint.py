@@ -531,17 +531,20 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
 
     def replay(blk):
         """The accepted steps ``blk·W ..`` (at most W): (count, s, h, s1, z, cache, ks),
-        replayed from the last checkpoint at or before them."""
+        replayed from the last checkpoint at or before them. Rows ``0 .. W-1`` hold them;
+        the steps not kept (rejected, or before the block) are written to row ``W``, never
+        read (a write, not a select of the old row and the new: one kernel per buffer
+        fewer per replayed step)."""
         first = blk * W
         packed, z, cache = jax.tree.map(lambda b: b[first // spacing], bufs)
         target = jnp.minimum(first + W, n_acc)
         buf = (
-            jnp.zeros((W,), dtype),
-            jnp.ones((W,), dtype),
-            jnp.zeros((W,), dtype),
-            _sharding.rows_like(z, W),  # (sharded like the state on an Explicit mesh)
-            jax.tree.map(lambda v: _sharding.rows_like(v, W), cache_like),
-            _sharding.rows_like(_sharding.rows_like(z, stages), W),
+            jnp.zeros((W + 1,), dtype),
+            jnp.ones((W + 1,), dtype),
+            jnp.zeros((W + 1,), dtype),
+            _sharding.rows_like(z, W + 1),  # (sharded like the state on an Explicit mesh)
+            jax.tree.map(lambda v: _sharding.rows_like(v, W + 1), cache_like),
+            _sharding.rows_like(_sharding.rows_like(z, stages), W + 1),
         )
 
         def cond(carry):
@@ -554,15 +557,13 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         def body(carry):
             packed, z, cache, buf, tries = carry
             ctrl = _integrate.Controller.unpack(packed)
-            slot = jnp.clip(ctrl.num_accepted - first, 0, W - 1)
             new, z1, cache1, (accept, s, h, z_old, ks) = _integrate._attempt(
                 stepper, ctrl, z, cache, clip_of(ctrl.s), t_end, budget, rtol, atol, n
             )
             keep = accept & (ctrl.num_accepted >= first)
+            slot = jnp.where(keep, ctrl.num_accepted - first, W)
             row = (s, h, new.s, z_old, cache, ks)
-            buf = jax.tree.map(
-                lambda b, v: b.at[slot].set(jnp.where(keep, v, b[slot])), buf, row
-            )
+            buf = jax.tree.map(lambda b, v: b.at[slot].set(v), buf, row)
             return new.pack(), z1, cache1, buf, tries + 1
 
         packed, _, _, buf, _ = _sharding.while_loop(
@@ -622,8 +623,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         ``carry = (k, mode, j, states, adj)``: steps ``0 .. k-1`` of the segment remain,
         the cotangents are ``adj``; ``states`` holds the steps' start states and caches
         (rows ``0 .. W-1``, from the replay) and a refined step's substep states (rows
-        ``W ..``). In mode ``STEP`` the trip differentiates step ``k - 1``. Where its
-        adjoint's own error estimate is too large (explicit methods), the step is
+        ``W ..``: the replay's unread row ``W`` and ``REFINE - 1`` more). In mode ``STEP``
+        the trip differentiates step ``k - 1``. Where its adjoint's own error estimate is
+        too large (explicit methods), the step is
         differentiated as ``REFINE`` equal substeps instead, by the same vjp on the trips
         that follow (one program: a loop of the substeps' own vjp cost more to compile
         than the rest of the backward pass, and ran for every element under vmap):
@@ -707,9 +709,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     def back_steps(count, buf, adj):
         """The cotangents ``adj`` back through the segment's ``count`` steps."""
         states = buf[3:5]
-        if explicit:  # (rows for a refined step's substep states)
+        if explicit:  # (rows for a refined step's substep states, after the replay's W + 1)
             states = jax.tree.map(
-                lambda b: jnp.concatenate([b, _sharding.rows_like(b[0], REFINE)]), states)
+                lambda b: jnp.concatenate([b, _sharding.rows_like(b[0], REFINE - 1)]), states)
         init = (count, jnp.asarray(STEP, i32), jnp.zeros((), i32), states, adj)
         return _sharding.while_loop(lambda c: c[0] > 0, lambda c: back_step(c, buf), init)[4]
 

@@ -172,6 +172,13 @@ class Controller(NamedTuple):
         floats, ints = packed
         return cls(*(floats[i] for i in range(4)), *(ints[i] for i in range(6)))
 
+    @staticmethod
+    def accepted(packed):
+        """``num_accepted`` of a :meth:`pack`-ed carry. (Unpacking it and packing it again
+        to save a checkpoint cost twelve kernels per window in the forward loop: XLA does
+        not fold the slices back into the vectors.)"""
+        return packed[1][1]
+
 
 class LastStep(NamedTuple):
     """The last accepted step (start, size, state, stage derivatives): dense output."""
@@ -473,10 +480,11 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     return ctrl, z_new, cache, (accept, s, h, z, ks)
 
 
-def _save_checkpoint(ck, hit, ctrl, z, cache, C):
-    """Keep the carry every ``spacing`` accepted steps in ``C`` slots (``spacing`` doubles,
-    and every other checkpoint is dropped, when they are full: memory stays ``C`` states).
-    ``hit``: the step loop has just reached a multiple of ``spacing`` accepted steps."""
+def _save_checkpoint(ck, hit, accepted, row, C):
+    """Keep the carry ``row = (Controller.pack(), z, cache)`` every ``spacing`` accepted
+    steps in ``C`` slots (``spacing`` doubles, and every other checkpoint is dropped, when
+    they are full: memory stays ``C`` states). ``hit``: the step loop has just reached a
+    multiple of ``spacing`` accepted steps (``accepted`` of them)."""
     bufs, spacing = ck
 
     def thin(bufs):
@@ -485,12 +493,11 @@ def _save_checkpoint(ck, hit, ctrl, z, cache, C):
         )
 
     def save(bufs, spacing):
-        full = ctrl.num_accepted // spacing >= C
+        full = accepted // spacing >= C
         bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
         spacing = jnp.where(full, 2 * spacing, spacing)
-        slot = jnp.minimum(ctrl.num_accepted // spacing, C - 1)
-        bufs = jax.tree.map(lambda buf, val: buf.at[slot].set(val), bufs,
-                            (ctrl.pack(), z, cache))
+        slot = jnp.minimum(accepted // spacing, C - 1)
+        bufs = jax.tree.map(lambda buf, val: buf.at[slot].set(val), bufs, row)
         return bufs, spacing
 
     return _sharding.cond_once(hit, save, lambda *ck: ck, bufs, spacing, explicit=False)
@@ -580,12 +587,14 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         else LastStep(ctrl.s, jnp.ones((), dtype), z0, _sharding.rows_like(z0, stages))
     )
     B = max(int(record), 1)
+    # (B + 1 rows: a rejected step is written to row B, dropped at the end, instead of
+    # selecting between the new row and the old one: a kernel per buffer fewer per step)
     rec = (
         Record(
-            s=jnp.full((B,), jnp.inf, dtype),
-            h=jnp.ones((B,), dtype),
-            z=_sharding.rows_like(z0, B),
-            coef=_sharding.rows_like(_sharding.rows_like(z0, degree), B),
+            s=jnp.full((B + 1,), jnp.inf, dtype),
+            h=jnp.ones((B + 1,), dtype),
+            z=_sharding.rows_like(z0, B + 1),
+            coef=_sharding.rows_like(_sharding.rows_like(z0, degree), B + 1),
             start=None,
         )
         if record
@@ -655,13 +664,9 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 # past it are NaN), so the step it ends on is an accepted one. No select.
                 last_step = LastStep(s, h, z_old, ks)
             if record:
-                slot = (ctrl.num_accepted - 1) % B
+                slot = jnp.where(accept, (ctrl.num_accepted - 1) % B, B)
                 new = Record(s, h, z_old, h * _small.matmul(dense, ks), None)
-                rec = jax.tree.map(
-                    lambda buf, val: buf.at[slot].set(jnp.where(accept, val, buf[slot])),
-                    rec,
-                    new,
-                )
+                rec = jax.tree.map(lambda buf, val: buf.at[slot].set(val), rec, new)
             return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev)
 
         if not checkpoint:
@@ -672,14 +677,14 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         # carry the checkpoints: updated in it (even once in W steps, under a cond), they
         # cost about 1 us per step on CPU (bdf on Robertson: 0.57 ms of a 0.56 ms solve).
         def window(c):
-            start = Controller.unpack(c.ctrl).num_accepted
+            start = Controller.accepted(c.ctrl)
             stop_at = (start // c.ck[1] + 1) * c.ck[1]
             inner = _sharding.while_loop(
                 functools.partial(cond, stop_at=stop_at), body, c._replace(ck=None)
             )
-            ctrl = Controller.unpack(inner.ctrl)
-            hit = (ctrl.num_accepted == stop_at)
-            ck = _save_checkpoint(c.ck, hit, ctrl, inner.z, inner.cache, C)
+            accepted = Controller.accepted(inner.ctrl)
+            ck = _save_checkpoint(c.ck, accepted == stop_at, accepted,
+                                  (inner.ctrl, inner.z, inner.cache), C)
             return inner._replace(ck=ck)
 
         return _sharding.while_loop(cond, window, carry)
@@ -777,7 +782,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         n_acc = ctrl.num_accepted
         # Oldest step first; with fewer than B steps the unused rows (s = inf) stay last.
         shift = jnp.where(n_acc > B, n_acc % B, 0)
-        rec = jax.tree.map(lambda buf: jnp.roll(buf, -shift, axis=0), rec)
+        rec = jax.tree.map(lambda buf: jnp.roll(buf[:B], -shift, axis=0), rec)
         start = jnp.where(n_acc > B, rec.s[0], t0)
         out.append(rec._replace(start=start))
     if log:
