@@ -172,12 +172,12 @@ class Controller(NamedTuple):
         floats, ints = packed
         return cls(*(floats[i] for i in range(4)), *(ints[i] for i in range(6)))
 
-    @staticmethod
-    def accepted(packed):
+    @classmethod
+    def accepted(cls, packed):
         """``num_accepted`` of a :meth:`pack`-ed carry. (Unpacking it and packing it again
         to save a checkpoint cost twelve kernels per window in the forward loop: XLA does
         not fold the slices back into the vectors.)"""
-        return packed[1][1]
+        return packed[1][cls._fields.index("num_accepted") - 4]
 
 
 class LastStep(NamedTuple):
