@@ -536,7 +536,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         read (a write, not a select of the old row and the new: one kernel per buffer
         fewer per replayed step)."""
         first = blk * W
-        packed, z, cache = jax.tree.map(lambda b: b[first // spacing], bufs)
+        packed, z, cache = jax.tree.map(lambda b: b[_integrate.div(first, spacing)], bufs)
         target = jnp.minimum(first + W, n_acc)
         buf = (
             jnp.zeros((W + 1,), dtype),
@@ -730,7 +730,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         t_fail = jnp.where(first, buf[0][0], t_fail)
         return c - 1, adj, status, t_fail
 
-    n_blocks = (n_acc + W - 1) // W
+    n_blocks = _integrate.div(n_acc + W - 1, W)
     zero_adj = (
         _sharding.zeros_like(zs[0]),
         _sharding.zeros_like(cache_like),

@@ -480,6 +480,13 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     return ctrl, z_new, cache, (accept, s, h, z, ks)
 
 
+def div(a, b):
+    """``a // b`` for nonnegative int32 ``a`` and positive ``b`` (step counts, spacings):
+    ``lax.div`` truncates, which is the floor there; ``//`` corrects for signs, which XLA
+    compiles as three to five more scalar kernels each time."""
+    return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
 def _save_checkpoint(ck, hit, accepted, row, C):
     """Keep the carry ``row = (Controller.pack(), z, cache)`` every ``spacing`` accepted
     steps in ``C`` slots (``spacing`` doubles, and every other checkpoint is dropped, when
@@ -493,10 +500,10 @@ def _save_checkpoint(ck, hit, accepted, row, C):
         )
 
     def save(bufs, spacing):
-        full = accepted // spacing >= C
+        full = div(accepted, spacing) >= C
         bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
         spacing = jnp.where(full, 2 * spacing, spacing)
-        slot = jnp.minimum(accepted // spacing, C - 1)
+        slot = jnp.minimum(div(accepted, spacing), C - 1)
         bufs = jax.tree.map(lambda buf, val: buf.at[slot].set(val), bufs, row)
         return bufs, spacing
 
@@ -678,7 +685,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         # cost about 1 us per step on CPU (bdf on Robertson: 0.57 ms of a 0.56 ms solve).
         def window(c):
             start = Controller.accepted(c.ctrl)
-            stop_at = (start // c.ck[1] + 1) * c.ck[1]
+            stop_at = (div(start, c.ck[1]) + 1) * c.ck[1]
             inner = _sharding.while_loop(
                 functools.partial(cond, stop_at=stop_at), body, c._replace(ck=None)
             )
