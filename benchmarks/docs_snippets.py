@@ -24,7 +24,7 @@ def _blocks():
         import test_docs
     finally:
         sys.path.pop(0)
-    return [b for b in test_docs.BLOCKS if not (b.directive or "").startswith("skip")]
+    return test_docs, [b for b in test_docs.BLOCKS if not test_docs._skip_reason(b)]
 
 
 def _env(devices):
@@ -37,20 +37,17 @@ def _env(devices):
     return env
 
 
-def time_block(block):
+def time_block(block, devices):
     """Seconds for ``python -c <block>`` (None if it failed) and the block's label."""
-    import re
-
-    match = re.fullmatch(r"devices=(\d+)", block.directive or "")
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", block.code], env=_env(match and match[1]),
+    run = subprocess.run([sys.executable, "-c", block.code], env=_env(devices),
                          cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     return (seconds if run.returncode == 0 else None), f"{block.file}:{block.line}"
 
 
 def main():
-    blocks = _blocks()
+    test_docs, blocks = _blocks()
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import jax, jax.numpy, solvers, implicit"],
                    env=_env(None), cwd=ROOT, check=True)
@@ -61,7 +58,7 @@ def main():
     print("|---|---|")
     over = 0
     for block in blocks:
-        seconds, label = time_block(block)
+        seconds, label = time_block(block, test_docs._devices(block))
         if seconds is None:
             print(f"| {label} | FAILED |", flush=True)
             over += 1

@@ -61,11 +61,6 @@ def vdp_reference_scipy():
 VDP_REFERENCE = -0.00353359833433764
 
 
-@pytest.fixture(scope="module")
-def vdp_reference():
-    return VDP_REFERENCE
-
-
 @pytest.mark.slow
 def test_vdp_reference_is_scipys():
     np.testing.assert_allclose(vdp_reference_scipy(), VDP_REFERENCE, rtol=1e-7)
@@ -80,17 +75,17 @@ def _vdp_gradient(method, rtol, diff=jax.grad):
     return float(jax.jit(diff(final))(1000.0))
 
 
-def test_van_der_pol_kvaerno5_at_rtol_1e6(x64, vdp_reference):
+def test_van_der_pol_kvaerno5_at_rtol_1e6(x64):
     # Measured: -0.00353344 (5e-5 relative); the default discrete adjoint: -0.388.
     g = _vdp_gradient("kvaerno5", 1e-6)
-    assert abs(g - vdp_reference) <= 1e-2 * abs(vdp_reference), (g, vdp_reference)
+    assert abs(g - VDP_REFERENCE) <= 1e-2 * abs(VDP_REFERENCE), (g, VDP_REFERENCE)
 
 
 @pytest.mark.slow
-def test_van_der_pol_bdf_at_rtol_1e6(x64, vdp_reference):
+def test_van_der_pol_bdf_at_rtol_1e6(x64):
     # Measured: -0.00353603 (7e-4 relative); the default discrete adjoint: -0.0758.
     g = _vdp_gradient("bdf", 1e-6)
-    assert abs(g - vdp_reference) <= 1e-2 * abs(vdp_reference), (g, vdp_reference)
+    assert abs(g - VDP_REFERENCE) <= 1e-2 * abs(VDP_REFERENCE), (g, VDP_REFERENCE)
     # Forward mode gives the same number (the rule is linear in the tangents).
     assert _vdp_gradient("bdf", 1e-6, jax.jacfwd) == pytest.approx(g, rel=1e-12)
 

@@ -532,9 +532,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
     def replay(blk):
         """The accepted steps ``blk·W ..`` (at most W): (count, s, h, s1, z, cache, ks),
         replayed from the last checkpoint at or before them. Rows ``0 .. W-1`` hold them;
-        the steps not kept (rejected, or before the block) are written to row ``W``, never
-        read (a write, not a select of the old row and the new: one kernel per buffer
-        fewer per replayed step)."""
+        the steps not kept (rejected, or before the block) go to the spare row ``W``
+        (:func:`_integrate.write_row`)."""
         first = blk * W
         packed, z, cache = jax.tree.map(lambda b: b[_integrate.div(first, spacing)], bufs)
         target = jnp.minimum(first + W, n_acc)
@@ -561,9 +560,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
                 stepper, ctrl, z, cache, clip_of(ctrl.s), t_end, budget, rtol, atol, n
             )
             keep = accept & (ctrl.num_accepted >= first)
-            slot = jnp.where(keep, ctrl.num_accepted - first, W)
-            row = (s, h, new.s, z_old, cache, ks)
-            buf = jax.tree.map(lambda b, v: b.at[slot].set(v), buf, row)
+            buf = _integrate.write_row(buf, ctrl.num_accepted - first, keep,
+                                       (s, h, new.s, z_old, cache, ks))
             return new.pack(), z1, cache1, buf, tries + 1
 
         packed, _, _, buf, _ = _sharding.while_loop(
@@ -687,9 +685,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         if explicit:
             refine = step & (adjoint_error_ratio(out, dz, lam_z1, s, z) > REFINE_LIMIT)
             # A SUB_FWD trip keeps its end (the next substep's start); the others write
-            # the last row, which is never read.
-            slot = jnp.where(fwd, W + j, W + REFINE - 1)
-            states = jax.tree.map(lambda b, v: b.at[slot].set(v), states, (z1, cache1))
+            # the spare last row.
+            states = _integrate.write_row(states, W + j, fwd, (z1, cache1))
             mode, j = next_trip(mode, j, refine)
         # The cotangents: replaced by the vjp's (a step, or a substep backwards), added
         # to (a DENSE trip), or kept (a refined step's first trip keeps its end's output
