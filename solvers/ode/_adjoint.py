@@ -671,8 +671,11 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         row0 = (*row0, jnp.where(step | dense_only, weights, zero_w), zero_e)
         rows = [row0]
         if estimate:
-            _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
-            (lam_eps,) = vjp_eps(row0)
+            if explicit:  # (eps is added to z1 alone: its cotangent is z1's)
+                lam_eps = row0[0]
+            else:
+                _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
+                (lam_eps,) = vjp_eps(row0)
             rows.append((mu_z, mu_cache, zero_w, jnp.where(step, lam_eps, zero_z)))
         if explicit:
             rows.append((zero_z, zero_c, zero_w, lam_z1))
