@@ -130,7 +130,7 @@ def loss_of(solve):
     return loss
 
 
-def ours_batched(method, linear_solver, max_steps=1000, on_failure="raise"):
+def ours_batched(method, linear_solver, max_steps=1000, on_failure="raise", rtol=RTOL):
     def solve(params, x, full_output=False):
         z0 = _z0(params, x)
         out = solvers.fixed_point(
@@ -139,7 +139,7 @@ def ours_batched(method, linear_solver, max_steps=1000, on_failure="raise"):
             *params,
             x,
             method=method,
-            rtol=RTOL,
+            rtol=rtol,
             linear_solver=linear_solver,
             max_steps=max_steps,
             on_failure=on_failure,
@@ -171,11 +171,11 @@ def ours_vmapped(method, linear_solver):
     return solve
 
 
-def jaxopt_solver(name):
+def jaxopt_solver(name, tol=RTOL):
     import jaxopt
 
     cls = {"fpi": jaxopt.FixedPointIteration, "anderson": jaxopt.AndersonAcceleration}[name]
-    solver = cls(fixed_point_fun=f_batch, tol=RTOL, maxiter=1000, implicit_diff=True)
+    solver = cls(fixed_point_fun=f_batch, tol=tol, maxiter=1000, implicit_diff=True)
 
     def solve(params, x):
         z0 = _z0(params, x)
@@ -203,12 +203,12 @@ def optimistix_vmapped():
     return solve
 
 
-def optimistix_gmres():
+def optimistix_gmres(rtol=RTOL, atol=ATOL):
     import lineax as lx
     import optimistix as optx
 
-    fp = optx.FixedPointIteration(rtol=RTOL, atol=ATOL)
-    adjoint = optx.ImplicitAdjoint(linear_solver=lx.GMRES(rtol=RTOL, atol=ATOL, max_steps=1000))
+    fp = optx.FixedPointIteration(rtol=rtol, atol=atol)
+    adjoint = optx.ImplicitAdjoint(linear_solver=lx.GMRES(rtol=rtol, atol=atol, max_steps=1000))
 
     def solve(params, x):
         fn = lambda z, a: f_batch(z, *a)  # noqa: E731
@@ -220,13 +220,13 @@ def optimistix_gmres():
 
 
 # The JAX "Custom derivative rules" notebook's fixed point, adapted to arrays: its
-# stopping test `|x_prev - x| > 1e-6` becomes a relative max-norm test with RTOL.
+# stopping test `|x_prev - x| > 1e-6` becomes a relative max-norm test with `tol` (RTOL).
 
 
-def _seed_loop(f, a, x_guess):
+def _seed_loop(f, a, x_guess, tol=RTOL):
     def cond_fun(carry):
         x_prev, x, _ = carry
-        return jnp.max(jnp.abs(x_prev - x)) > RTOL * jnp.max(jnp.abs(x))
+        return jnp.max(jnp.abs(x_prev - x)) > tol * jnp.max(jnp.abs(x))
 
     def body_fun(carry):
         _, x, k = carry
@@ -236,13 +236,13 @@ def _seed_loop(f, a, x_guess):
     return x_star, k
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def seed_fixed_point(f, a, x_guess):
-    return _seed_loop(f, a, x_guess)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def seed_fixed_point(f, a, x_guess, tol=RTOL):
+    return _seed_loop(f, a, x_guess, tol)[0]
 
 
-def _seed_fwd(f, a, x_init):
-    x_star = seed_fixed_point(f, a, x_init)
+def _seed_fwd(f, a, x_init, tol):
+    x_star = seed_fixed_point(f, a, x_init, tol)
     return x_star, (a, x_star)
 
 
@@ -252,12 +252,12 @@ def _seed_rev_iter(f, packed, u):
     return x_star_bar + vjp_x(u)[0]
 
 
-def _seed_rev(f, res, x_star_bar):
+def _seed_rev(f, tol, res, x_star_bar):
     a, x_star = res
     _, vjp_a = jax.vjp(lambda a: f(a, x_star), a)
     (a_bar,) = vjp_a(
         seed_fixed_point(
-            functools.partial(_seed_rev_iter, f), (a, x_star, x_star_bar), x_star_bar
+            functools.partial(_seed_rev_iter, f), (a, x_star, x_star_bar), x_star_bar, tol
         )
     )
     return a_bar, jnp.zeros_like(x_star)
@@ -270,14 +270,14 @@ def _seed_map(a, z):
     return f_batch(z, *a)
 
 
-def seed_notebook():
+def seed_notebook(tol=RTOL):
     def solve(params, x):
         z0 = _z0(params, x)
-        return seed_fixed_point(_seed_map, (*params, x), z0), None
+        return seed_fixed_point(_seed_map, (*params, x), z0, tol), None
 
     def count(params, x):
         z0 = _z0(params, x)
-        return _seed_loop(_seed_map, (*params, x), z0)[1]
+        return _seed_loop(_seed_map, (*params, x), z0, tol)[1]
 
     return solve, count
 

@@ -84,14 +84,14 @@ def jax_odeint(rtol=RTOL, atol=ATOL):
     return solve
 
 
-def diffrax_solver(solver_name, adjoint_name):
+def diffrax_solver(solver_name, adjoint_name, rtol=RTOL, atol=ATOL):
     import diffrax
 
     def solve(params, y0):
         term = diffrax.ODETerm(lambda t, y, args: field(y, t, *args))
         sol = diffrax.diffeqsolve(
             term, getattr(diffrax, solver_name)(), 0.0, T1, None, y0, args=tuple(params),
-            stepsize_controller=diffrax.PIDController(rtol=RTOL, atol=ATOL),
+            stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
             adjoint=getattr(diffrax, adjoint_name)(), max_steps=100_000,
         )
         return sol.ys[-1]
