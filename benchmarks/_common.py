@@ -175,3 +175,32 @@ def print_table(title, rows, columns, ratio_columns=(), lower_is_better=True):
             if best[c]
         )
         print(f"\nbest peer per metric: {named}")
+
+
+def plot_work_precision(panels, path, xlabel="time per call (ms)", ylabel="relative error"):
+    """Log-log panels side by side, saved to ``path``: ``panels`` is a list of ``(title,
+    curves)``, ``curves`` a dict ``name -> [(time, error)]`` (ours solid, peers dashed)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5))
+    for ax, (title, curves) in zip(axes if len(panels) > 1 else [axes], panels):
+        for name, points in curves.items():
+            if not points:
+                continue
+            t, e = zip(*points)
+            ax.loglog(t, e, "-o" if name.startswith("ours") else "--s", label=name,
+                      markersize=4)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

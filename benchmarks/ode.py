@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._brusselator import brusselator, brusselator_np, brusselator_y0
+from benchmarks import _common
 from benchmarks._common import OURS, Row, compile_time, print_table, run_times_interleaved
 
 jax.config.update("jax_enable_x64", True)
@@ -670,29 +671,10 @@ def work_precision(rob_ref):
 
 
 def plot_work_precision(lv, rob, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, data, title in (
-        (axes[0], lv, "Lotka–Volterra: value and gradient (grad error), rtol = atol 1e-4..1e-10"),
-        (axes[1], rob, "Robertson: forward (loss error), gradient (grad error), rtol 1e-4..1e-8"),
-    ):
-        for name, points in data.items():
-            t, e = zip(*points)
-            style = "-o" if name.startswith("ours") else "--s"
-            ax.loglog(t, e, style, label=name, markersize=4)
-        ax.set_xlabel("time per call (ms)")
-        ax.set_ylabel("relative error")
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _common.plot_work_precision([
+        ("Lotka–Volterra: value and gradient (grad error), rtol = atol 1e-4..1e-10", lv),
+        ("Robertson: forward (loss error), gradient (grad error), rtol 1e-4..1e-8", rob),
+    ], path)
 
 
 SAMPLE_ERROR = f"event time error, {EV_SAMPLE} cases"

@@ -41,7 +41,7 @@ import numpy as np
 from benchmarks import fixed_point as deq
 from benchmarks import neural_ode as node
 from benchmarks import ode
-from benchmarks._common import compile_time, run_times_interleaved
+from benchmarks._common import compile_time, plot_work_precision, run_times_interleaved
 
 ROUNDS = 5
 LV_TOLS = [1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9]
@@ -183,31 +183,6 @@ def fixed_point():
     return sweep(curves, (params,), ref)
 
 
-def plot(problems, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(problems), figsize=(6 * len(problems), 5))
-    for ax, (title, curves) in zip(axes, problems):
-        for name, pts in curves.items():
-            if not pts:
-                continue
-            _, ms, err, _ = zip(*sorted(pts, key=lambda p: p[2]))
-            ax.loglog(ms, err, "-o" if name.startswith("ours") else "--s", label=name,
-                      markersize=4)
-        ax.set_xlabel("value-and-grad time (ms)")
-        ax.set_ylabel("gradient error (relative)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main():
     start = time.perf_counter()
     platform = jax.devices()[0].platform
@@ -226,8 +201,11 @@ def main():
     print_curves(f"DEQ n={deq.N}, batch {deq.BATCH}, float32: rtol swept (the scan: K "
                  "iterations)", fp, "rtol or K", "ours fixed_point (default)")
     path = os.path.join(RESULTS, "work_precision.png")
-    plot([("Lotka–Volterra (float64)", lv), (f"Neural ODE, batch {NODE_BATCH} (float32)", nn),
-          ("DEQ (float32)", fp)], path)
+    panels = [("Lotka–Volterra (float64)", lv), (f"Neural ODE, batch {NODE_BATCH} (float32)", nn),
+              ("DEQ (float32)", fp)]
+    plot_work_precision([(title, {name: [(ms, err) for _, ms, err, _ in sorted(
+        pts, key=lambda p: p[2])] for name, pts in curves.items()}) for title, curves in panels],
+        path, xlabel="value-and-grad time (ms)", ylabel="gradient error (relative)")
     print(f"\n- times: fastest of {ROUNDS} calls, every point of a problem timed "
           "round-robin; compile s: lower and compile of jit(value_and_grad(loss)).")
     print(f"\nwork-precision plot: {path}")
