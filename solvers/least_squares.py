@@ -16,7 +16,11 @@ are at most as many unknowns as residuals, ``jax.jacrev`` otherwise):
 
 The stopping test is on the Gauss–Newton step ``h = -J⁺ r`` at the iterate, an estimate
 of its distance to the minimiser, elementwise: ``|h_i| <= atol + rtol |x_i|`` for every
-unknown (so that unknowns of very different magnitudes are each resolved to ``rtol``).
+unknown (so that unknowns of very different magnitudes are each resolved to ``rtol``),
+or on the first-order condition itself: ``|(Jᵀr)_i| <= 32 eps |r| max|J_i|`` with
+``max|J_i|`` the largest norm column ``i`` of ``J`` had so far (the gradient zero to
+rounding; where the residuals' curvature dominates ``JᵀJ``, as at a
+minimum with ``J = 0`` and non-zero residuals, ``h`` does not measure the distance).
 The implicit derivatives come from the optimality condition ``Jᵀ r = 0``.
 """
 
@@ -37,6 +41,7 @@ __all__ = ["least_squares"]
 METHODS = ("levenberg-marquardt", "gauss-newton")
 
 _TAU = 1e-3  # initial damping μ (relative to D)
+_STATIONARY = 32  # the gradient test's cosines, in eps (see _error)
 _NU_MAX = 2.0**40  # rejections in a row (ν doubles) before the solve is `no_decrease`
 
 
@@ -59,7 +64,10 @@ def least_squares(
     Levenberg–Marquardt (default; Nielsen's damping update, Moré's scaling) or
     Gauss–Newton with a backtracking line search. The solve stops when the Gauss–Newton
     step ``h = -J⁺ r`` at the iterate is small for every unknown:
-    ``|h_i| <= atol + rtol |x_i|``. Gradients of ``x*`` with respect to ``args`` and to
+    ``|h_i| <= atol + rtol |x_i|``, or when the gradient is zero to rounding:
+    ``|(Jᵀr)_i| <= 32 eps |r| max|J_i|``, ``max|J_i|`` the largest norm of ``J``'s
+    column ``i`` so far (``J = 0`` at a minimum with non-zero
+    residuals included). Gradients of ``x*`` with respect to ``args`` and to
     traced values ``residual`` closes over come from the optimality condition
     ``J(x*)ᵀ r(x*) = 0`` (one adjoint solve with the Hessian of ``0.5 ||r||²``, whose
     products come from the VJP of ``Jᵀ r``); the iterations are never differentiated.
@@ -81,8 +89,9 @@ def least_squares(
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
         ``residual`` (``max|Jᵀr|`` at the solution), ``residual_history`` (each step's
-        test error, ``max(|h_i| - rtol |x_i|, 0)``) and ``status`` (``converged``,
-        ``max_steps``, ``nonfinite``, ``stagnated`` or ``no_decrease``).
+        test error, ``max(|h_i| - rtol |x_i|, 0)``, 0 where the gradient test passes)
+        and ``status`` (``converged``, ``max_steps``, ``nonfinite``, ``stagnated`` or
+        ``no_decrease``).
 
     Returns:
       ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
@@ -183,10 +192,10 @@ class _State(NamedTuple):
     g: Any  # Jᵀr at x: the gradient of f
     h: Any  # the Gauss–Newton step at x (the test's; Gauss–Newton's direction)
     status: Any
-    error: Any  # max(|h_i| - rtol |x_i|, 0)
+    error: Any  # max(|h_i| - rtol |x_i|, 0), or 0 where the gradient test passes
     mu: Any  # LM damping
     nu: Any  # LM rejection factor
-    d: Any  # LM scaling: the largest diag(JᵀJ) so far
+    d: Any  # the largest diag(JᵀJ) so far (LM's scaling; the gradient test's)
 
 
 def _gauss_newton_step(r, j, x):
@@ -195,11 +204,19 @@ def _gauss_newton_step(r, j, x):
     return -_sharding.split_like(jnp.linalg.lstsq(j, r_all)[0].astype(x.dtype), x)
 
 
-def _error(x, f, r, j, rtol):
-    """The test's error (see the module docstring) and the Gauss–Newton step."""
+def _error(x, f, r, j, g, d, rtol):
+    """The test's error (see the module docstring) and the Gauss–Newton step: the step's
+    excess over ``rtol |x_i|``, or 0 where the gradient is zero to rounding (the
+    first-order condition, which the step cannot measure where the residuals' curvature
+    dominates ``JᵀJ``: ``J -> 0`` at a minimum with non-zero residuals, where ``h``
+    grows without bound): ``|(Jᵀr)_i| <= 32 eps sqrt(d_i) |r|`` for every unknown,
+    ``d_i`` the largest ``|J_i|²`` so far (MINPACK's cosine test, against the column's
+    largest norm, so that a column shrinking to 0 passes)."""
     h = _gauss_newton_step(r, j, x)
     error = _runner.max_norm(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
-    return jnp.where(jnp.isfinite(f), error, jnp.nan), h
+    cosine = _STATIONARY * jnp.finfo(x.dtype).eps * jnp.sqrt(d * _sharding.dot(r, r))
+    stationary = jnp.all(jnp.abs(g) <= cosine)
+    return jnp.where(jnp.isfinite(f), jnp.where(stationary, 0.0, error), jnp.nan), h
 
 
 def _accept(state, ok, x, f, r, j, g, rtol):
@@ -207,8 +224,9 @@ def _accept(state, ok, x, f, r, j, g, rtol):
     Gauss–Newton step (where not, those of the point it stays at, computed alike)."""
     x, f, r, j, g = (jnp.where(ok, new, old) for new, old in
                      ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
-    error, h = _error(x, f, r, j, rtol)
-    return state._replace(x=x, f=f, r=r, j=j, g=g, error=error, h=h)
+    d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
+    error, h = _error(x, f, r, j, g, d, rtol)
+    return state._replace(x=x, f=f, r=r, j=j, g=g, error=error, h=h, d=d)
 
 
 def _start(evaluate, rtol):
@@ -216,7 +234,7 @@ def _start(evaluate, rtol):
         f, (r, j, g) = evaluate(x0)
         d = jnp.sum(j * j, axis=0)
         one = jnp.ones((), x0.dtype)
-        error, h = _error(x0, f, r, j, rtol)
+        error, h = _error(x0, f, r, j, g, d, rtol)
         return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, _TAU * one,
                       2.0 * one, d)
 
@@ -231,9 +249,8 @@ def _levenberg_marquardt(evaluate, rtol):
 
     def step(state):
         x, f, j, g, mu, nu = state.x, state.f, state.j, state.g, state.mu, state.nu
-        d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
         # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
-        d = jnp.where(d > 0, d, 1.0)
+        d = jnp.where(state.d > 0, state.d, 1.0)
         h = _lu.factor_solve(_sharding.dot(j.T, j) + mu * jnp.diag(d), -g)[0]
         x_new = x + h
         f_new, (r_new, j_new, g_new) = evaluate(x_new)
@@ -255,8 +272,7 @@ def _levenberg_marquardt(evaluate, rtol):
         wide = nu.astype(jnp.promote_types(nu.dtype, jnp.float32))  # (2**40: no float16)
         status = jnp.where(jnp.isfinite(state.f) & (wide > _NU_MAX), _status.NO_DECREASE,
                            _status.RUNNING).astype(jnp.int32)
-        return state._replace(status=status, mu=mu.astype(x.dtype), nu=nu.astype(x.dtype),
-                              d=d)
+        return state._replace(status=status, mu=mu.astype(x.dtype), nu=nu.astype(x.dtype))
 
     return _runner.Method(init, step, terminate)
 

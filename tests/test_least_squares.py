@@ -151,6 +151,19 @@ def test_noisy_fits_converge_to_scipys_minimum(model, dtype, rtol, close, x64):
             assert np.max(np.abs(jac.T @ residual)) <= 1e-10 * scale
 
 
+def test_minimum_with_zero_jacobian_converges_on_the_first_order_condition(x64):
+    # r = (x - a)² + 5: at the minimum x = a, J = 0 and r = 5, so the Gauss-Newton step
+    # -r/J that the test measured grows without bound while Jᵀr -> 0 (from [0, 1] the
+    # solve ended `no_decrease` at |Jᵀr| = 4e-15). A guess at the minimum (J = 0 exactly)
+    # is returned after zero steps.
+    solve = jax.jit(jax.vmap(lambda x0, a: solvers.least_squares(
+        lambda x, a: (x - a) ** 2 + 5.0, x0, a, full_output=True), in_axes=(0, None)))
+    x, info = solve(jnp.array([[0.0, 1.0], [np.pi, np.pi]]), jnp.pi)
+    assert list(info.status_name) == ["converged", "converged"]
+    assert int(info.num_steps[1]) == 0
+    np.testing.assert_allclose(x, np.pi, rtol=1e-12)
+
+
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
     # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
     # implicit gradient does not exist. The dense adjoint's LU still returned finite
