@@ -65,6 +65,17 @@ def test_exponential_fit_with_exact_data(method):
     assert bool(info.converged) and int(info.num_steps) > 0
 
 
+def test_the_step_the_test_measured_is_taken(x64):
+    # Converged on the Gauss-Newton step h at x, the solver returns x + h: on exact data
+    # (quadratic convergence) 1.6e-12 from the parameters at rtol 1e-3, where x was
+    # 1.8e-6 away (its step, which the test had just computed, not taken).
+    y = P_TRUE[0] * np.exp(-P_TRUE[1] * T)
+    for method in METHODS:
+        p = solvers.least_squares(exp_fit, jnp.ones(2), T, y, method=method, rtol=1e-3,
+                                  atol=1e-30)
+        np.testing.assert_allclose(p, P_TRUE, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("method", LM_FAST)
 def test_nist_misra1a_from_start_1(method, x64):
     b, info = solvers.least_squares(misra, jnp.asarray(MISRA_START1), MISRA_X, MISRA_Y,
