@@ -3,9 +3,11 @@
 Both methods form the Jacobian ``J`` of the residuals (dense: ``jax.jacfwd`` when there
 are at most as many unknowns as residuals, ``jax.jacrev`` otherwise):
 
-- ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` with ``D`` the largest
-  ``diag(JᵀJ)`` seen so far (Moré's scaling, invariant to the units of each unknown)
-  and Nielsen's damping update: a step with gain ratio ``ρ > 0`` is taken and
+- ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` (by QR of
+  ``[J; sqrt(μ D)]``, not the normal equations) with ``D`` the largest
+  ``diag(JᵀJ)`` seen so far (Moré's scaling, invariant to the units of each unknown),
+  ``μ`` starting at ``damping``, and Nielsen's damping update: a step with gain ratio
+  ``ρ > 0`` is taken and
   ``μ <- μ max(1/3, 1 - (2ρ - 1)³)``, a rejected one multiplies ``μ`` by ``ν`` (doubling
   ``ν`` after each rejection in a row); where the decrease is below the rounding of
   ``0.5 ||r||²`` (near a minimum with non-zero residuals) a step passing the line
@@ -41,7 +43,7 @@ __all__ = ["least_squares"]
 
 METHODS = ("levenberg-marquardt", "gauss-newton")
 
-_TAU = 1e-3  # initial damping μ (relative to D)
+DAMPING = 1e-3  # Levenberg–Marquardt's default initial μ (relative to D)
 _STATIONARY = 32  # the gradient test's cosines, in eps (see _error)
 _NU_MAX = 2.0**40  # rejections in a row (ν doubles) before the solve is `no_decrease`
 
@@ -54,6 +56,7 @@ def least_squares(
     rtol=None,
     atol=None,
     max_steps=200,
+    damping=None,
     rule="vjp",
     linear_solver="auto",
     on_failure="raise",
@@ -80,6 +83,11 @@ def least_squares(
       x0: initial guess (pytree of float arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated (e.g. the data).
       method: ``"levenberg-marquardt"`` or ``"gauss-newton"``.
+      damping: Levenberg–Marquardt's initial damping ``μ`` (a positive number;
+        ``None``: 1e-3), relative to the largest ``diag(JᵀJ)`` seen, unknown by unknown
+        (as jaxopt's ``damping_parameter``, which is relative to the largest diagonal
+        entry): a larger value starts with shorter, more gradient-like steps (10 solves
+        Meyer's scaled fit from far away). Gauss–Newton has none: a ``ValueError`` there.
       rtol, atol: tolerances of the test above (defaults follow the dtype: 1e-5/1e-6
         in float32, 1e-8/1e-10 in float64, 4 eps/0.4 eps in
         float16 and bfloat16).
@@ -116,6 +124,10 @@ def least_squares(
         linear_solver=linear_solver,
     )
     _checks.check_choice(method, "method", METHODS)
+    _checks.check_positive(damping, "damping")
+    if damping is not None and method != "levenberg-marquardt":
+        raise ValueError(f"`damping` is Levenberg–Marquardt's initial damping: "
+                         f"method={method!r} takes none, got damping={damping!r}")
     _checks.check_args(args)
     # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
     # when x64 is switched in a scoped context between calls).
@@ -129,6 +141,7 @@ def least_squares(
         x0,
         args,
         *_checks.tolerances(rtol, atol, dtype),
+        _checks.as_scalar(DAMPING if damping is None else damping, dtype),
         options=opts,
         residual=residual,
         fn=residual,
@@ -150,7 +163,7 @@ def _check_residual_output(out):
 
 
 @_runner.jit_solver
-def _solve(x0, args, rtol, atol, *, residual, method, options, solver, check):
+def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, check):
     _check_residual_output(_checks.call_shape(residual, "residual", x0, *args))
 
     def body(x0, args):
@@ -172,7 +185,7 @@ def _solve(x0, args, rtol, atol, *, residual, method, options, solver, check):
 
         make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
         state, info = _runner.iterate(
-            make(evaluate, rtol), x0_flat, rtol=rtol, atol=atol,
+            make(evaluate, rtol, damping), x0_flat, rtol=rtol, atol=atol,
             max_steps=options.max_steps, record_history=options.full_output,
         )
         info = info._replace(residual=_runner.max_norm(state.g))
@@ -201,12 +214,27 @@ class _State(NamedTuple):
     mu: Any  # LM damping
     nu: Any  # LM rejection factor
     d: Any  # the largest diag(JᵀJ) so far (LM's scaling; the gradient test's)
+    best: Any  # the smallest 0.5 ||r||² so far
+    improved: Any  # whether the last step lowered it measurably (see _accept)
 
 
 def _gauss_newton_step(r, j, x):
     # (16-bit floats solved in float32: LAPACK has no 16-bit least squares)
     j, r_all = _lu.factorable(j), _lu.factorable(_sharding.gathered(r))
     return -_sharding.split_like(jnp.linalg.lstsq(j, r_all)[0].astype(x.dtype), x)
+
+
+def _damped_step(r, j, damping, x):
+    """The Levenberg–Marquardt step ``-(JᵀJ + diag(damping))⁻¹ Jᵀr``, as the least-squares
+    solution of ``[J; diag(sqrt(damping))] h = [-r; 0]`` by QR (as MINPACK): the normal
+    equations square ``J``'s condition number (6e8 on Meyer's scaled fit: beyond float64's
+    precision in ``JᵀJ``)."""
+    a = jnp.concatenate([_lu.factorable(j), jnp.diag(jnp.sqrt(damping)).astype(
+        _lu.factorable(j).dtype)])
+    b = jnp.concatenate([-_lu.factorable(_sharding.gathered(r)), jnp.zeros_like(x, a.dtype)])
+    q, upper = jnp.linalg.qr(a)
+    h = jax.scipy.linalg.solve_triangular(upper, q.T @ b)
+    return _sharding.split_like(h.astype(x.dtype), x)
 
 
 def _error(x, f, r, j, g, d, rtol):
@@ -235,32 +263,38 @@ def _accept(state, ok, x, f, r, j, g, rtol):
                      ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
     d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
     error, h = _error(x, f, r, j, g, d, rtol)
-    return state._replace(x=x, f=f, r=r, j=j, g=g, error=error, h=h, d=d)
+    # A measurable decrease of 0.5 ||r||² is progress for the runner's stagnation test
+    # too: far from the minimum (and along ill-conditioned valleys) the Gauss–Newton
+    # step the test measures need not shrink while the objective falls.
+    improved = f < state.best - 32 * jnp.finfo(f.dtype).eps * jnp.abs(state.best)
+    return state._replace(x=x, f=f, r=r, j=j, g=g, error=error, h=h, d=d,
+                          best=jnp.where(improved, f, state.best), improved=improved)
 
 
-def _start(evaluate, rtol):
+def _start(evaluate, rtol, damping):
     def init(x0):
         f, (r, j, g) = evaluate(x0)
         d = jnp.sum(j * j, axis=0)
         one = jnp.ones((), x0.dtype)
         error, h = _error(x0, f, r, j, g, d, rtol)
-        return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, _TAU * one,
-                      2.0 * one, d)
+        return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, damping * one,
+                      2.0 * one, d, f, jnp.bool_(False))
 
     def terminate(state):
-        return _runner.Progress(state.error, jnp.zeros_like(state.error), state.status)
+        return _runner.Progress(state.error, jnp.zeros_like(state.error), state.status,
+                                improved=state.improved)
 
     return init, terminate
 
 
-def _levenberg_marquardt(evaluate, rtol):
-    init, terminate = _start(evaluate, rtol)
+def _levenberg_marquardt(evaluate, rtol, damping):
+    init, terminate = _start(evaluate, rtol, damping)
 
     def step(state):
         x, f, j, g, mu, nu = state.x, state.f, state.j, state.g, state.mu, state.nu
         # Unknowns the residuals do not depend on (a zero column) keep a unit scale.
         d = jnp.where(state.d > 0, state.d, 1.0)
-        h = _lu.factor_solve(_sharding.dot(j.T, j) + mu * jnp.diag(d), -g)[0]
+        h = _damped_step(state.r, j, mu * d, x)
         x_new = x + h
         f_new, (r_new, j_new, g_new) = evaluate(x_new)
         predicted = 0.5 * _sharding.dot(h, mu * d * h - g)  # the model's decrease, > 0
@@ -286,8 +320,8 @@ def _levenberg_marquardt(evaluate, rtol):
     return _runner.Method(init, step, terminate)
 
 
-def _gauss_newton(evaluate, rtol):
-    init, terminate = _start(evaluate, rtol)
+def _gauss_newton(evaluate, rtol, damping):
+    init, terminate = _start(evaluate, rtol, damping)
 
     def step(state):
         x, f, g, h = state.x, state.f, state.g, state.h

@@ -175,6 +175,46 @@ def test_minimum_with_zero_jacobian_converges_on_the_first_order_condition(x64):
     np.testing.assert_allclose(x, np.pi, rtol=1e-12)
 
 
+# Madsen and Nielsen's scaled Meyer fit (Introduction to Optimization and Data Fitting,
+# example 6.21; jaxopt's test): cond(J) about 6e8 on the way from (40, 50, 30).
+MEYER_T = np.linspace(0.5, 1.25, 16)
+MEYER_Y = np.array([34780, 28610, 23650, 19630, 16370, 13720, 11540, 9744, 8261, 7030, 6005,
+                    5147, 4427, 3820, 3307, 2872.0])
+
+
+def meyer(c, t, y):
+    return 1e-3 * y - c[0] * jnp.exp(10 * c[1] / (t + c[2]) - 13)
+
+
+def test_damping_is_the_initial_levenberg_marquardt_damping(x64):
+    # One step from x0: h = -(JᵀJ + damping diag(JᵀJ))⁻¹ Jᵀr, written out with NumPy.
+    x0 = np.array([40.0, 50.0, 30.0])
+    r = np.asarray(meyer(x0, MEYER_T, MEYER_Y))
+    jac = np.asarray(jax.jacfwd(meyer)(jnp.asarray(x0), MEYER_T, MEYER_Y))
+    step = jax.jit(lambda damping: solvers.least_squares(
+        meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=damping, max_steps=1,
+        on_failure="ignore"))
+    for damping in (1e-3, 10.0):
+        h = -np.linalg.solve(jac.T @ jac + damping * np.diag(np.sum(jac**2, 0)), jac.T @ r)
+        np.testing.assert_allclose(step(damping) - x0, h, rtol=1e-6)
+    with pytest.raises(ValueError, match="`damping` must be a positive finite number"):
+        solvers.least_squares(meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=-1.0)
+    with pytest.raises(ValueError, match="`damping` is Levenberg.*'gauss-newton'"):
+        solvers.least_squares(meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=10.0,
+                              method="gauss-newton")
+
+
+def test_scaled_meyer_fit_is_solved_in_float64(x64):
+    # SciPy's MINPACK: (2.48177814, 6.1813464, 3.45223636), 0.5 |r|² = 4.3972928e-05. The
+    # step solved the normal equations (cond 4e17: beyond float64) and the runner called
+    # the solve `stagnated` after 50 steps as the Gauss-Newton step grew while the cost
+    # fell (282 at the end).
+    x, info = solvers.least_squares(meyer, jnp.array([40.0, 50.0, 30.0]), MEYER_T, MEYER_Y,
+                                    max_steps=2000, full_output=True)
+    np.testing.assert_allclose(x, [2.48177814, 6.1813464, 3.45223636], rtol=1e-7)
+    assert info.status_name == "converged"
+
+
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
     # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
     # implicit gradient does not exist. The dense adjoint's LU still returned finite
