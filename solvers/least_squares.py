@@ -1,7 +1,8 @@
 """Nonlinear least squares ``min 0.5 ||residual(x, *args)||²``: Levenberg–Marquardt, Gauss–Newton.
 
 Both methods form the Jacobian ``J`` of the residuals (dense: ``jax.jacfwd`` when there
-are at most as many unknowns as residuals, ``jax.jacrev`` otherwise):
+are at most as many unknowns as residuals, ``jax.jacrev`` otherwise or when the residual
+has no forward mode, as one written with ``jax.custom_vjp``):
 
 - ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` (by QR of
   ``[J; sqrt(μ D)]``, not the normal equations) with ``D`` the largest
@@ -79,7 +80,8 @@ def least_squares(
 
     Args:
       residual: ``residual(x, *args)`` returning an array or a pytree of float arrays
-        (any number of residuals).
+        (any number of residuals); one with a ``jax.custom_vjp`` works (its Jacobian by
+        reverse mode; the solve is then differentiable in reverse mode only).
       x0: initial guess (pytree of float arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated (e.g. the data).
       method: ``"levenberg-marquardt"`` or ``"gauss-newton"``.
@@ -147,7 +149,20 @@ def least_squares(
         fn=residual,
         method=method,
         solver=f"solvers.least_squares(method={method!r})",
+        forward_hint=_forward_hint(rule),
     )
+
+
+def _forward_hint(rule):
+    """What to tell a forward-mode caller refused by a custom_vjp: the solve's own rule,
+    or a residual written with ``jax.custom_vjp`` (no rule makes that one forward)."""
+    custom = ("a residual written with jax.custom_vjp has no forward mode at all: "
+              "differentiate in reverse mode (jax.grad, jax.jacrev) or give the residual a "
+              "jax.custom_jvp rule")
+    if rule == "jvp":
+        return custom
+    return ("pass rule='jvp' (with a linear linear_solver such as 'gmres' or 'dense') for "
+            f"forward mode (jax.jvp, jax.jacfwd, jax.hessian); {custom}")
 
 
 def _check_residual_output(out):
@@ -162,6 +177,18 @@ def _check_residual_output(out):
         raise ValueError("`residual` must return at least one array, got an empty pytree")
 
 
+def _has_forward_mode(fn, x):
+    """Whether ``fn`` has a forward-mode derivative: False for a ``jax.custom_vjp`` one
+    (its Jacobian is then formed in reverse mode, one VJP per residual)."""
+    try:
+        jax.eval_shape(jax.jacfwd(fn), x)
+    except TypeError as err:
+        if "forward-mode" in str(err) and "custom_vjp" in str(err):
+            return False
+        raise
+    return True
+
+
 @_runner.jit_solver
 def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, check):
     _check_residual_output(_checks.call_shape(residual, "residual", x0, *args))
@@ -174,7 +201,7 @@ def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, 
             return ravel_pytree(residual(unravel(v), *args))[0].astype(dtype)
 
         m = jax.eval_shape(fn, x0_flat).size
-        jac = jax.jacfwd if x0_flat.size <= m else jax.jacrev
+        jac = jax.jacfwd if x0_flat.size <= m and _has_forward_mode(fn, x0_flat) else jax.jacrev
 
         def evaluate(v):
             """``(0.5 ||r||², (r, J, Jᵀr))`` at ``v``."""

@@ -215,6 +215,43 @@ def test_scaled_meyer_fit_is_solved_in_float64(x64):
     assert info.status_name == "converged"
 
 
+def test_residual_with_custom_vjp(x64):
+    # A custom_vjp residual has no forward mode: its Jacobian is formed in reverse mode
+    # (jacfwd failed, and the message advised rule='jvp', which failed alike). At exact
+    # data dp*/dy = J⁺ (the implicit function theorem on Jᵀr = 0 with r = 0).
+    t = jnp.asarray(T)
+
+    @jax.custom_vjp
+    def model(p):
+        return p[0] * jnp.exp(-p[1] * t)
+
+    def model_fwd(p):
+        return model(p), p
+
+    def model_bwd(p, ct):
+        e = jnp.exp(-p[1] * t)
+        return (jnp.stack([jnp.sum(ct * e), -jnp.sum(ct * p[0] * t * e)]),)
+
+    model.defvjp(model_fwd, model_bwd)
+    y = jnp.asarray(P_TRUE[0] * np.exp(-P_TRUE[1] * T))
+    e = np.exp(-P_TRUE[1] * T)
+    expected = np.linalg.pinv(np.stack([e, -P_TRUE[0] * T * e], axis=1))
+
+    def solve(y, rule="vjp", method="levenberg-marquardt"):
+        return solvers.least_squares(lambda p, y: model(p) - y, jnp.ones(2), y, rule=rule,
+                                     method=method)
+
+    np.testing.assert_allclose(solve(y, method="gauss-newton"), P_TRUE, rtol=1e-8)
+    np.testing.assert_allclose(jax.jacrev(solve)(y), expected, rtol=1e-6, atol=1e-9)
+    # Forward mode through a custom_vjp is impossible: the message says what works.
+    with pytest.raises(TypeError, match=r"rule='jvp'.*custom_vjp has no forward mode.*"
+                                        r"reverse mode \(jax.grad, jax.jacrev\)"):
+        jax.jacfwd(solve)(y)
+    with pytest.raises(TypeError, match=r"forward rule: a residual written with "
+                                        r"jax.custom_vjp has no forward mode"):
+        jax.jacfwd(lambda y: solve(y, "jvp"))(y)
+
+
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
     # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
     # implicit gradient does not exist. The dense adjoint's LU still returned finite
