@@ -20,10 +20,13 @@ has no forward mode, as one written with ``jax.custom_vjp``):
 The stopping test is on the Gauss–Newton step ``h = -J⁺ r`` at the iterate, an estimate
 of its distance to the minimiser, elementwise: ``|h_i| <= atol + rtol |x_i|`` for every
 unknown (so that unknowns of very different magnitudes are each resolved to ``rtol``),
-or on the first-order condition itself: ``|(Jᵀr)_i| <= 32 eps |r| max|J_i|`` with
-``max|J_i|`` the largest norm column ``i`` of ``J`` had so far (the gradient zero to
-rounding; where the residuals' curvature dominates ``JᵀJ``, as at a
-minimum with ``J = 0`` and non-zero residuals, ``h`` does not measure the distance).
+or on the first-order condition itself: ``|(Jᵀr)_i| <= 32 eps |r| |J_i|`` with
+``|J_i|`` the larger of column ``i``'s norms at the guess and now (the gradient zero to
+rounding; where the residuals' curvature dominates ``JᵀJ``, as at a minimum with
+``J = 0`` and non-zero residuals, ``h`` does not measure the distance). The step test
+counts only where ``h`` accounts for the whole gradient (``Jᵀ(r + J h)`` zero to
+rounding alike): where ``lstsq`` drops singular values whose directions carry the
+gradient (an ill-conditioned ``J`` in float32), ``h`` is no distance either.
 Converged on the step test, the solver returns ``x + h``: the step it measured is taken.
 The implicit derivatives come from the optimality condition ``Jᵀ r = 0``.
 """
@@ -70,8 +73,8 @@ def least_squares(
     Gauss–Newton with a backtracking line search. The solve stops when the Gauss–Newton
     step ``h = -J⁺ r`` at the iterate is small for every unknown:
     ``|h_i| <= atol + rtol |x_i|``, or when the gradient is zero to rounding:
-    ``|(Jᵀr)_i| <= 32 eps |r| max|J_i|``, ``max|J_i|`` the largest norm of ``J``'s
-    column ``i`` so far (``J = 0`` at a minimum with non-zero
+    ``|(Jᵀr)_i| <= 32 eps |r| |J_i|``, ``|J_i|`` the larger of the norms of ``J``'s
+    column ``i`` at ``x0`` and now (``J = 0`` at a minimum with non-zero
     residuals included). Converged on the step test, it returns ``x + h`` (the step the
     test measured, taken). Gradients of ``x*`` with respect to ``args`` and to
     traced values ``residual`` closes over come from the optimality condition
@@ -218,7 +221,7 @@ def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, 
         info = info._replace(residual=_runner.max_norm(state.g))
         # Converged on the step test: the step it measured is taken (x + h, as accurate
         # as the test found; not where the gradient test passed, h unbounded there).
-        polish = info.converged & ~_stationary(state.r, state.g, state.d)
+        polish = info.converged & ~_stationary(state.r, state.g, state.j, state.d0)
         return unravel(state.x + jnp.where(polish, state.h, 0.0)), info
 
     def optimality(x, *args):  # ∇ 0.5 ||r||² = Jᵀ r
@@ -241,6 +244,7 @@ class _State(NamedTuple):
     mu: Any  # LM damping
     nu: Any  # LM rejection factor
     d: Any  # the largest diag(JᵀJ) so far (LM's scaling; the gradient test's)
+    d0: Any  # diag(JᵀJ) at the guess (the gradient test's column norms, at least)
     best: Any  # the smallest 0.5 ||r||² so far
     improved: Any  # whether the last step lowered it measurably (see _accept)
 
@@ -264,21 +268,31 @@ def _damped_step(r, j, damping, x):
     return _sharding.split_like(h.astype(x.dtype), x)
 
 
-def _error(x, f, r, j, g, d, rtol):
+def _error(x, f, r, j, g, d0, rtol):
     """The test's error (see the module docstring) and the Gauss–Newton step: the step's
     excess over ``rtol |x_i|``, or 0 where the gradient is zero to rounding (the
     first-order condition, which the step cannot measure where the residuals' curvature
     dominates ``JᵀJ``: ``J -> 0`` at a minimum with non-zero residuals, where ``h``
-    grows without bound): ``|(Jᵀr)_i| <= 32 eps sqrt(d_i) |r|`` for every unknown,
-    ``d_i`` the largest ``|J_i|²`` so far (MINPACK's cosine test, against the column's
-    largest norm, so that a column shrinking to 0 passes)."""
+    grows without bound): ``|(Jᵀr)_i| <= 32 eps |J_i| |r|`` for every unknown, with
+    ``|J_i|`` the larger of column ``i``'s norms at the guess and now (MINPACK's cosine
+    test; against the guess's norm too, so that a column shrinking to 0 passes)."""
     h = _gauss_newton_step(r, j, x)
     error = _runner.max_norm(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
-    stationary = _stationary(r, g, d)
+    # The step measures the distance only if it accounts for the whole gradient: the
+    # linear model's gradient after it, Jᵀ(r + J h), zero to rounding. Not where lstsq
+    # dropped small singular values whose directions carry the gradient (float32 on
+    # Meyer's scaled fit, cond(J) 6e8: a tiny h, 'converged' at 6500 times the cost).
+    remainder = _sharding.dot(j.T, r + _sharding.dot(j, h))
+    explained = _stationary(r, _sharding.split_like(remainder, x), j)
+    error = jnp.where(explained, error, jnp.finfo(x.dtype).max)
+    stationary = _stationary(r, g, j, d0)
     return jnp.where(jnp.isfinite(f), jnp.where(stationary, 0.0, error), jnp.nan), h
 
 
-def _stationary(r, g, d):
+def _stationary(r, g, j, d0=0.0):
+    """Whether ``g`` (a gradient ``Jᵀr``) is zero to rounding (see :func:`_error`), the
+    norm of ``J``'s columns taken as at least ``sqrt(d0)``."""
+    d = jnp.maximum(d0, jnp.sum(j * j, axis=0))
     cosine = _STATIONARY * jnp.finfo(g.dtype).eps * jnp.sqrt(d * _sharding.dot(r, r))
     return jnp.all(jnp.abs(g) <= cosine)
 
@@ -289,7 +303,7 @@ def _accept(state, ok, x, f, r, j, g, rtol):
     x, f, r, j, g = (jnp.where(ok, new, old) for new, old in
                      ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
     d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
-    error, h = _error(x, f, r, j, g, d, rtol)
+    error, h = _error(x, f, r, j, g, state.d0, rtol)
     # A measurable decrease of 0.5 ||r||² is progress for the runner's stagnation test
     # too: far from the minimum (and along ill-conditioned valleys) the Gauss–Newton
     # step the test measures need not shrink while the objective falls.
@@ -303,9 +317,9 @@ def _start(evaluate, rtol, damping):
         f, (r, j, g) = evaluate(x0)
         d = jnp.sum(j * j, axis=0)
         one = jnp.ones((), x0.dtype)
-        error, h = _error(x0, f, r, j, g, d, rtol)
+        error, h = _error(x0, f, r, j, g, d, rtol)  # (d: d0)
         return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, damping * one,
-                      2.0 * one, d, f, jnp.bool_(False))
+                      2.0 * one, d, d, f, jnp.bool_(False))
 
     def terminate(state):
         return _runner.Progress(state.error, jnp.zeros_like(state.error), state.status,

@@ -252,6 +252,22 @@ def test_residual_with_custom_vjp(x64):
         jax.jacfwd(lambda y: solve(y, "jvp"))(y)
 
 
+def test_scaled_meyer_fit_in_float32_is_solved_or_fails_loudly():
+    # lstsq dropped two singular values (cond(J) 6e8 > 1/eps): the Gauss-Newton step
+    # the test measured was tiny while the true one is huge, and the solve reported
+    # 'converged' at (1.2e-5, 55.6, 19.8), cost 255 against 4.4e-5.
+    solve = jax.jit(lambda damping: solvers.least_squares(
+        meyer, jnp.array([40.0, 50.0, 30.0]), MEYER_T, MEYER_Y, damping=damping,
+        max_steps=2000, on_failure="ignore", full_output=True))
+    for damping in (1e-3, 10.0):
+        x, info = solve(damping)
+        cost = 0.5 * float(np.sum(np.asarray(meyer(np.asarray(x, np.float64), MEYER_T,
+                                                     MEYER_Y)) ** 2))
+        if info.status_name == "converged":
+            np.testing.assert_allclose(x, [2.48177814, 6.1813464, 3.45223636], rtol=1e-3)
+        assert cost < 1e-4 or info.status_name != "converged", (damping, cost)
+
+
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
     # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
     # implicit gradient does not exist. The dense adjoint's LU still returned finite
