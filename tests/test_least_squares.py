@@ -268,6 +268,29 @@ def test_scaled_meyer_fit_in_float32_is_solved_or_fails_loudly():
         assert cost < 1e-4 or info.status_name != "converged", (damping, cost)
 
 
+def bvp(x):
+    """SciPy's least_squares test problem: a discrete boundary-value problem on a 10 x 10
+    grid, ``Δu + u³`` with zero boundary values."""
+    n = 10
+    u = jnp.zeros((n + 2, n + 2), x.dtype).at[1:-1, 1:-1].set(x.reshape(n, n))
+    x = x.reshape(n, n)
+    return (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:] - 4 * x + x**3).ravel()
+
+
+def test_gauss_newton_reaches_scipys_cost_on_its_boundary_value_problem(x64):
+    # A line search along the Gauss-Newton step stalled at cost 19.8 (|Jᵀr| 8.9) after
+    # 1000 steps: J is nearly singular there and the step almost orthogonal to the
+    # gradient. In a dogleg trust region it reaches SciPy's local minimum.
+    ref = scipy.optimize.least_squares(lambda x: np.asarray(bvp(jnp.asarray(x))),
+                                       np.ones(100), jac=lambda x: np.asarray(
+                                           jax.jacfwd(bvp)(jnp.asarray(x))))
+    x = jax.jit(lambda x0: solvers.least_squares(bvp, x0, method="gauss-newton",
+                                                 max_steps=100, on_failure="ignore"))(
+        jnp.ones(100))
+    cost = 0.5 * float(jnp.sum(bvp(x) ** 2))
+    assert ref.cost < 0.2874 and cost < 1.001 * ref.cost, (cost, ref.cost)
+
+
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):
     # 2 residuals, 4 unknowns: a line of minimisers, where JᵀJ is singular and the
     # implicit gradient does not exist. The dense adjoint's LU still returned finite
