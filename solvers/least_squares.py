@@ -53,7 +53,7 @@ METHODS = ("levenberg-marquardt", "gauss-newton")
 
 DAMPING = 1e-3  # Levenberg–Marquardt's default initial μ (relative to D)
 _STATIONARY = 32  # the gradient test's cosines, in eps (see _error)
-_TRUST_ACCEPT = 1e-4  # Gauss–Newton: a step taken if it gives this share of the model's
+_TRUST_ACCEPT = 1e-4  # Gauss–Newton takes a step giving this share of the predicted decrease
 _NU_MAX = 2.0**40  # rejections in a row (ν doubles) before the solve is `no_decrease`
 
 
