@@ -308,9 +308,9 @@ def box_bounds(lower, upper, x0):
             continue
         lo_np = np.asarray(lo_leaf, np.float64)
         up_np = np.asarray(up_leaf, np.float64)
-        bad = np.argwhere(~(lo_np <= up_np))  # (NaN bounds too)
-        if bad.size:
-            i = tuple(int(k) for k in bad[0])
+        bad = ~(lo_np <= up_np)  # (NaN bounds too)
+        if bad.any():  # (np.argwhere finds nothing in a 0-d array: index it apart)
+            i = tuple(int(k) for k in np.argwhere(bad)[0]) if bad.ndim else ()
             where = f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
             raise ValueError(
                 f"`lower` must be <= `upper` elementwise (and not NaN): lower{where} = "
@@ -320,14 +320,23 @@ def box_bounds(lower, upper, x0):
 
 
 def _bound(bound, x0, name, default):
-    """A box bound as a pytree like ``x0`` (a scalar broadcasts; ``None``: unbounded)."""
+    """A box bound as a pytree like ``x0`` (a scalar broadcasts, to the whole of ``x0`` or
+    to one leaf; ``None``: unbounded). Any other shape is refused, not broadcast."""
     if bound is None:
         bound = default
     if jax.tree_util.treedef_is_leaf(jax.tree.structure(bound)) and jnp.ndim(bound) == 0:
         return jax.tree.map(lambda leaf: jnp.full(jnp.shape(leaf), bound, leaf.dtype), x0)
-    try:
-        return jax.tree.map(lambda b, leaf: jnp.broadcast_to(jnp.asarray(b, leaf.dtype),
-                                                             jnp.shape(leaf)), bound, x0)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"`{name}` must be a scalar or a pytree shaped like x0: {err}") \
-            from None
+
+    def like(path, b, leaf):
+        if jnp.ndim(b) and jnp.shape(b) != jnp.shape(leaf):
+            raise ValueError(
+                f"`{name}` must be a scalar or a pytree shaped like x0: "
+                f"{name}{jax.tree_util.keystr(path)} has shape {jnp.shape(b)}, "
+                f"x0{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}")
+        return jnp.broadcast_to(jnp.asarray(b, leaf.dtype), jnp.shape(leaf))
+
+    if jax.tree.structure(bound) != jax.tree.structure(x0):
+        raise ValueError(
+            f"`{name}` must be a scalar or a pytree shaped like x0: {name} has structure "
+            f"{jax.tree.structure(bound)}, x0 has {jax.tree.structure(x0)}")
+    return jax.tree_util.tree_map_with_path(like, bound, x0)

@@ -88,8 +88,9 @@ def minimize(
       has_aux: ``fun`` returns ``(value, aux)``; ``aux`` at the solution is returned too
         (differentiable: it is recomputed at ``x*``).
       history_size: L-BFGS memory (number of ``(s, y)`` pairs).
-      lower, upper: optional box bounds (scalars, or pytrees like ``x0``; ``lower <= upper``,
-        checked when they are concrete): the guess and
+      lower, upper: optional box bounds (scalars, or pytrees like ``x0`` whose leaves are
+        scalars or shaped like ``x0``'s; ``lower <= upper``, checked when they are
+        concrete; both a ``ValueError`` otherwise): the guess and
         every trial point are projected into the box, directions keep the coordinates
         at an active bound fixed, and the stopping test is on the projected gradient
         ``x - clip(x - ∇fun(x), lower, upper)``. The derivative of ``x*`` comes from that

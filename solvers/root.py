@@ -105,8 +105,9 @@ def root(
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
-      lower, upper: optional box bounds (pytrees like ``x0``, or scalars; ``lower <= upper``,
-        checked when they are concrete): the guess and
+      lower, upper: optional box bounds (pytrees like ``x0`` whose leaves are scalars or
+        shaped like ``x0``'s, or scalars; ``lower <= upper``, checked when they are
+        concrete; both a ``ValueError`` otherwise): the guess and
         every trial point are projected into the box (e.g. to keep ``F`` in its domain).
         A root outside the box ends the solve as ``no_decrease``.
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,

@@ -65,6 +65,17 @@ def test_exponential_fit_with_exact_data(method):
     assert bool(info.converged) and int(info.num_steps) > 0
 
 
+def test_the_step_the_test_measured_is_taken(x64):
+    # Converged on the Gauss-Newton step h at x, the solver returns x + h: on exact data
+    # (quadratic convergence) 1.6e-12 from the parameters at rtol 1e-3, where x was
+    # 1.8e-6 away (its step, which the test had just computed, not taken).
+    y = P_TRUE[0] * np.exp(-P_TRUE[1] * T)
+    for method in METHODS:
+        p = solvers.least_squares(exp_fit, jnp.ones(2), T, y, method=method, rtol=1e-3,
+                                  atol=1e-30)
+        np.testing.assert_allclose(p, P_TRUE, rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("method", LM_FAST)
 def test_nist_misra1a_from_start_1(method, x64):
     b, info = solvers.least_squares(misra, jnp.asarray(MISRA_START1), MISRA_X, MISRA_Y,
@@ -149,6 +160,135 @@ def test_noisy_fits_converge_to_scipys_minimum(model, dtype, rtol, close, x64):
             jac = jax.jacfwd(m)(x, jnp.asarray(FIT_T))
             scale = np.linalg.norm(jac) * np.linalg.norm(residual)
             assert np.max(np.abs(jac.T @ residual)) <= 1e-10 * scale
+
+
+def test_minimum_with_zero_jacobian_converges_on_the_first_order_condition(x64):
+    # r = (x - a)² + 5: at the minimum x = a, J = 0 and r = 5, so the Gauss-Newton step
+    # -r/J that the test measured grows without bound while Jᵀr -> 0 (from [0, 1] the
+    # solve ended `no_decrease` at |Jᵀr| = 4e-15). A guess at the minimum (J = 0 exactly)
+    # is returned after zero steps.
+    solve = jax.jit(jax.vmap(lambda x0, a: solvers.least_squares(
+        lambda x, a: (x - a) ** 2 + 5.0, x0, a, full_output=True), in_axes=(0, None)))
+    x, info = solve(jnp.array([[0.0, 1.0], [np.pi, np.pi]]), jnp.pi)
+    assert list(info.status_name) == ["converged", "converged"]
+    assert int(info.num_steps[1]) == 0
+    np.testing.assert_allclose(x, np.pi, rtol=1e-12)
+
+
+# Madsen and Nielsen's scaled Meyer fit (Introduction to Optimization and Data Fitting,
+# example 6.21; jaxopt's test): cond(J) about 6e8 on the way from (40, 50, 30).
+MEYER_T = np.linspace(0.5, 1.25, 16)
+MEYER_Y = np.array([34780, 28610, 23650, 19630, 16370, 13720, 11540, 9744, 8261, 7030, 6005,
+                    5147, 4427, 3820, 3307, 2872.0])
+
+
+def meyer(c, t, y):
+    return 1e-3 * y - c[0] * jnp.exp(10 * c[1] / (t + c[2]) - 13)
+
+
+def test_damping_is_the_initial_levenberg_marquardt_damping(x64):
+    # One step from x0: h = -(JᵀJ + damping diag(JᵀJ))⁻¹ Jᵀr, written out with NumPy.
+    x0 = np.array([40.0, 50.0, 30.0])
+    r = np.asarray(meyer(x0, MEYER_T, MEYER_Y))
+    jac = np.asarray(jax.jacfwd(meyer)(jnp.asarray(x0), MEYER_T, MEYER_Y))
+    step = jax.jit(lambda damping: solvers.least_squares(
+        meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=damping, max_steps=1,
+        on_failure="ignore"))
+    for damping in (1e-3, 10.0):
+        h = -np.linalg.solve(jac.T @ jac + damping * np.diag(np.sum(jac**2, 0)), jac.T @ r)
+        np.testing.assert_allclose(step(damping) - x0, h, rtol=1e-6)
+    with pytest.raises(ValueError, match="`damping` must be a positive finite number"):
+        solvers.least_squares(meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=-1.0)
+    with pytest.raises(ValueError, match="`damping` is Levenberg.*'gauss-newton'"):
+        solvers.least_squares(meyer, jnp.asarray(x0), MEYER_T, MEYER_Y, damping=10.0,
+                              method="gauss-newton")
+
+
+def test_scaled_meyer_fit_is_solved_in_float64(x64):
+    # SciPy's MINPACK: (2.48177814, 6.1813464, 3.45223636), 0.5 |r|² = 4.3972928e-05. The
+    # step solved the normal equations (cond 4e17: beyond float64) and the runner called
+    # the solve `stagnated` after 50 steps as the Gauss-Newton step grew while the cost
+    # fell (282 at the end).
+    x, info = solvers.least_squares(meyer, jnp.array([40.0, 50.0, 30.0]), MEYER_T, MEYER_Y,
+                                    max_steps=2000, full_output=True)
+    np.testing.assert_allclose(x, [2.48177814, 6.1813464, 3.45223636], rtol=1e-7)
+    assert info.status_name == "converged"
+
+
+def test_residual_with_custom_vjp(x64):
+    # A custom_vjp residual has no forward mode: its Jacobian is formed in reverse mode
+    # (jacfwd failed, and the message advised rule='jvp', which failed alike). At exact
+    # data dp*/dy = J⁺ (the implicit function theorem on Jᵀr = 0 with r = 0).
+    t = jnp.asarray(T)
+
+    @jax.custom_vjp
+    def model(p):
+        return p[0] * jnp.exp(-p[1] * t)
+
+    def model_fwd(p):
+        return model(p), p
+
+    def model_bwd(p, ct):
+        e = jnp.exp(-p[1] * t)
+        return (jnp.stack([jnp.sum(ct * e), -jnp.sum(ct * p[0] * t * e)]),)
+
+    model.defvjp(model_fwd, model_bwd)
+    y = jnp.asarray(P_TRUE[0] * np.exp(-P_TRUE[1] * T))
+    e = np.exp(-P_TRUE[1] * T)
+    expected = np.linalg.pinv(np.stack([e, -P_TRUE[0] * T * e], axis=1))
+
+    def solve(y, rule="vjp", method="levenberg-marquardt"):
+        return solvers.least_squares(lambda p, y: model(p) - y, jnp.ones(2), y, rule=rule,
+                                     method=method)
+
+    np.testing.assert_allclose(solve(y, method="gauss-newton"), P_TRUE, rtol=1e-8)
+    np.testing.assert_allclose(jax.jacrev(solve)(y), expected, rtol=1e-6, atol=1e-9)
+    # Forward mode through a custom_vjp is impossible: the message says what works.
+    with pytest.raises(TypeError, match=r"rule='jvp'.*custom_vjp has no forward mode.*"
+                                        r"reverse mode \(jax.grad, jax.jacrev\)"):
+        jax.jacfwd(solve)(y)
+    with pytest.raises(TypeError, match=r"forward rule: a residual written with "
+                                        r"jax.custom_vjp has no forward mode"):
+        jax.jacfwd(lambda y: solve(y, "jvp"))(y)
+
+
+def test_scaled_meyer_fit_in_float32_is_solved_or_fails_loudly():
+    # lstsq dropped two singular values (cond(J) 6e8 > 1/eps): the Gauss-Newton step
+    # the test measured was tiny while the true one is huge, and the solve reported
+    # 'converged' at (1.2e-5, 55.6, 19.8), cost 255 against 4.4e-5.
+    solve = jax.jit(lambda damping: solvers.least_squares(
+        meyer, jnp.array([40.0, 50.0, 30.0]), MEYER_T, MEYER_Y, damping=damping,
+        max_steps=2000, on_failure="ignore", full_output=True))
+    for damping in (1e-3, 10.0):
+        x, info = solve(damping)
+        cost = 0.5 * float(np.sum(np.asarray(meyer(np.asarray(x, np.float64), MEYER_T,
+                                                     MEYER_Y)) ** 2))
+        if info.status_name == "converged":
+            np.testing.assert_allclose(x, [2.48177814, 6.1813464, 3.45223636], rtol=1e-3)
+        assert cost < 1e-4 or info.status_name != "converged", (damping, cost)
+
+
+def bvp(x):
+    """SciPy's least_squares test problem: a discrete boundary-value problem on a 10 x 10
+    grid, ``Δu + u³`` with zero boundary values."""
+    n = 10
+    u = jnp.zeros((n + 2, n + 2), x.dtype).at[1:-1, 1:-1].set(x.reshape(n, n))
+    x = x.reshape(n, n)
+    return (u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:] - 4 * x + x**3).ravel()
+
+
+def test_gauss_newton_reaches_scipys_cost_on_its_boundary_value_problem(x64):
+    # A line search along the Gauss-Newton step stalled at cost 19.8 (|Jᵀr| 8.9) after
+    # 1000 steps: J is nearly singular there and the step almost orthogonal to the
+    # gradient. In a dogleg trust region it reaches SciPy's local minimum.
+    ref = scipy.optimize.least_squares(lambda x: np.asarray(bvp(jnp.asarray(x))),
+                                       np.ones(100), jac=lambda x: np.asarray(
+                                           jax.jacfwd(bvp)(jnp.asarray(x))))
+    x = jax.jit(lambda x0: solvers.least_squares(bvp, x0, method="gauss-newton",
+                                                 max_steps=100, on_failure="ignore"))(
+        jnp.ones(100))
+    cost = 0.5 * float(jnp.sum(bvp(x) ** 2))
+    assert ref.cost < 0.2874 and cost < 1.001 * ref.cost, (cost, ref.cost)
 
 
 def test_underdetermined_fit_has_no_gradient_and_says_so(x64):

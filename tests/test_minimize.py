@@ -322,3 +322,15 @@ def test_inactive_bounds_change_nothing_and_bad_bounds_are_reported(x64):
                          upper=1.0)
     with pytest.raises(ValueError, match=r"`lower` must be <= `upper`.*nan"):
         solvers.root(lambda x: x - 1.0, jnp.zeros(2), lower=jnp.nan)
+    # 0-d bounds too (np.argwhere found nothing in a 0-d array: 0.0 came back converged).
+    with pytest.raises(ValueError, match=r"`lower` must be <= `upper`.*lower = 10.0"):
+        solvers.minimize(lambda x: (x - 1.0) ** 2, 2.0, lower=10, upper=0)
+    # Mis-shaped bounds are refused, not broadcast ((1,) was broadcast to a (2,) unknown).
+    with pytest.raises(ValueError, match=r"`lower` must be a scalar or a pytree shaped "
+                                         r"like x0: lower has shape \(1,\)"):
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=jnp.zeros(1))
+    with pytest.raises(ValueError, match=r"`upper`.*upper\['b'\] has shape \(3,\)"):
+        solvers.minimize(lambda x: x["a"] ** 2 + jnp.sum(x["b"] ** 2),
+                         {"a": 1.0, "b": jnp.ones(2)}, upper={"a": 2.0, "b": jnp.ones(3)})
+    with pytest.raises(ValueError, match=r"`lower`.*structure"):
+        solvers.minimize(lambda x: x["a"] ** 2, {"a": 1.0}, lower={"c": 0.0})
