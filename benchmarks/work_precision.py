@@ -10,7 +10,8 @@ reaches, how long do we take?
   ``sum(ys²)`` over 50 outputs, ``rtol = atol`` swept 1e-3 … 1e-9; reference: jax
   odeint at ``rtol = atol = 1e-13`` (an independent implementation).
 - **Neural ODE** (the neural_ode suite's problem at batch 128, float32): ``rtol = atol``
-  swept 1e-3 … 1e-7 (below that float32's rounding is the error: every method stalls).
+  swept 1e-2 … 1e-7 (1e-2: the neural_ode suite's loose row; below 1e-7 float32's rounding is
+  the error: every method stalls).
 - **DEQ** (the fixed_point suite's problem, float32): ``rtol`` swept 1e-2 … 1e-6; the
   unrolled ``lax.scan``'s knob is its number of iterations ``K`` instead.
 
@@ -45,7 +46,7 @@ from benchmarks._common import compile_time, plot_work_precision, run_times_inte
 
 ROUNDS = 5
 LV_TOLS = [1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9]
-NODE_TOLS = [1e-3, 1e-4, 1e-5, 1e-6, 1e-7]
+NODE_TOLS = [1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7]
 NODE_BATCH = 128  # issue 35's row (the neural_ode suite's own rows use 512)
 DEQ_TOLS = [1e-2, 1e-3, 1e-4, 1e-5, 1e-6]
 SCAN_STEPS = [10, 20, 40, 60, 80]
