@@ -8,8 +8,6 @@ standard initial guess. The contract: every problem that SciPy's ``root(method="
 too (to ``max|F| <= 1e-8``, where hybr only needs ``1e-6``).
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,46 +15,15 @@ import pytest
 import scipy.optimize
 
 import solvers
+from benchmarks import robustness as mgh  # (the problems, one definition)
 
 RESIDUAL_BOUND = 1e-8  # max|F(x*)| our solution must reach (float64)
 HYBR_SOLVED = 1e-6  # max|F(x*)| under which hybr counts as having solved a problem
 
 
-def rosenbrock(x):
-    return jnp.stack([10.0 * (x[1] - x[0] ** 2), 1.0 - x[0]])
-
-
-def powell_singular(x):
-    return jnp.stack(
-        [
-            x[0] + 10.0 * x[1],
-            math.sqrt(5.0) * (x[2] - x[3]),
-            (x[1] - 2.0 * x[2]) ** 2,
-            math.sqrt(10.0) * (x[0] - x[3]) ** 2,
-        ]
-    )
-
-
-def powell_badly_scaled(x):
-    return jnp.stack([1e4 * x[0] * x[1] - 1.0, jnp.exp(-x[0]) + jnp.exp(-x[1]) - 1.0001])
-
-
-def wood(x):
-    x1, x2, x3, x4 = x
-    return jnp.stack(
-        [
-            -200.0 * x1 * (x2 - x1**2) - (1.0 - x1),
-            200.0 * (x2 - x1**2) + 20.2 * (x2 - 1.0) + 19.8 * (x4 - 1.0),
-            -180.0 * x3 * (x4 - x3**2) - (1.0 - x3),
-            180.0 * (x4 - x3**2) + 20.2 * (x4 - 1.0) + 19.8 * (x2 - 1.0),
-        ]
-    )
-
-
-def helical_valley(x):
-    x1, x2, x3 = x
-    theta = jnp.arctan(x2 / x1) / (2 * jnp.pi) + jnp.where(x1 < 0, 0.5, 0.0)
-    return jnp.stack([10.0 * (x3 - 10.0 * theta), 10.0 * (jnp.sqrt(x1**2 + x2**2) - 1.0), x3])
+def _jnp(fn, **params):
+    """A problem of the robustness benchmark (written for NumPy and jnp alike) in jnp."""
+    return lambda x: fn(x, jnp, **params)
 
 
 def freudenstein_roth(x):
@@ -69,87 +36,27 @@ def freudenstein_roth(x):
     )
 
 
-def brown_almost_linear(x):
-    n = x.shape[0]
-    head = x[:-1] + jnp.sum(x) - (n + 1)
-    return jnp.concatenate([head, jnp.prod(x)[None] - 1.0])
-
-
-def _grid(n):
-    h = 1.0 / (n + 1)
-    return h, h * jnp.arange(1, n + 1, dtype=jnp.float64)
-
-
-def discrete_boundary_value(x):
-    h, t = _grid(x.shape[0])
-    padded = jnp.pad(x, 1)
-    return 2 * x - padded[:-2] - padded[2:] + h**2 * (x + t + 1) ** 3 / 2
-
-
-def discrete_integral_equation(x):
-    h, t = _grid(x.shape[0])
-    cube = (x + t + 1) ** 3
-    left = jnp.cumsum(t * cube)  # sum over j <= i
-    right = jnp.sum((1 - t) * cube) - jnp.cumsum((1 - t) * cube)  # sum over j > i
-    return x + h * ((1 - t) * left + t * right) / 2
-
-
-def trigonometric(x):
-    n = x.shape[0]
-    i = jnp.arange(1, n + 1)
-    return n - jnp.sum(jnp.cos(x)) + i * (1 - jnp.cos(x)) - jnp.sin(x)
-
-
-def variably_dimensioned(x):
-    j = jnp.arange(1, x.shape[0] + 1)
-    s = jnp.sum(j * (x - 1))
-    return x - 1 + j * s * (1 + 2 * s**2)
-
-
-def broyden_tridiagonal(x):
-    padded = jnp.pad(x, 1)
-    return (3 - 2 * x) * x - padded[:-2] - 2 * padded[2:] + 1
-
-
-def broyden_banded(x):
-    n = x.shape[0]
-    i = jnp.arange(n)[:, None]
-    j = jnp.arange(n)[None, :]
-    band = (j != i) & (j >= i - 5) & (j <= i + 1)
-    return x * (2 + 5 * x**2) + 1 - band @ (x * (1 + x))
-
-
-def chandrasekhar(c):
-    def F(x):
-        n = x.shape[0]
-        mu = (jnp.arange(1, n + 1, dtype=jnp.float64) - 0.5) / n
-        kernel = mu[:, None] / (mu[:, None] + mu[None, :])
-        return x - 1 / (1 - c / (2 * n) * (kernel @ x))
-
-    return F
-
-
 def _t(n):
     return np.arange(1, n + 1) / (n + 1)
 
 
 # name: (F, standard initial guess)
 PROBLEMS = {
-    "rosenbrock": (rosenbrock, [-1.2, 1.0]),
-    "powell_singular": (powell_singular, [3.0, -1.0, 0.0, 1.0]),
-    "powell_badly_scaled": (powell_badly_scaled, [0.0, 1.0]),
-    "wood": (wood, [-3.0, -1.0, -3.0, -1.0]),
-    "helical_valley": (helical_valley, [-1.0, 0.0, 0.0]),
+    "rosenbrock": (_jnp(mgh.rosenbrock), [-1.2, 1.0]),
+    "powell_singular": (_jnp(mgh.powell_singular), [3.0, -1.0, 0.0, 1.0]),
+    "powell_badly_scaled": (_jnp(mgh.powell_badly_scaled), [0.0, 1.0]),
+    "wood": (_jnp(mgh.wood), [-3.0, -1.0, -3.0, -1.0]),
+    "helical_valley": (_jnp(mgh.helical_valley), [-1.0, 0.0, 0.0]),
     "freudenstein_roth": (freudenstein_roth, [0.5, -2.0]),
-    "brown_almost_linear_10": (brown_almost_linear, [0.5] * 10),
-    "discrete_boundary_value_10": (discrete_boundary_value, _t(10) * (_t(10) - 1)),
-    "discrete_integral_equation_10": (discrete_integral_equation, _t(10) * (_t(10) - 1)),
-    "trigonometric_10": (trigonometric, [0.1] * 10),
-    "variably_dimensioned_10": (variably_dimensioned, 1 - np.arange(1, 11) / 10),
-    "broyden_tridiagonal_1000": (broyden_tridiagonal, [-1.0] * 1000),
-    "broyden_banded_10": (broyden_banded, [-1.0] * 10),
-    "chandrasekhar_0.9_100": (chandrasekhar(0.9), [1.0] * 100),
-    "chandrasekhar_0.9999_100": (chandrasekhar(0.9999), [1.0] * 100),
+    "brown_almost_linear_10": (_jnp(mgh.brown_almost_linear), [0.5] * 10),
+    "discrete_boundary_value_10": (_jnp(mgh.discrete_boundary_value), _t(10) * (_t(10) - 1)),
+    "discrete_integral_equation_10": (_jnp(mgh.discrete_integral_equation), _t(10) * (_t(10) - 1)),
+    "trigonometric_10": (_jnp(mgh.trigonometric), [0.1] * 10),
+    "variably_dimensioned_10": (_jnp(mgh.variably_dimensioned), 1 - np.arange(1, 11) / 10),
+    "broyden_tridiagonal_1000": (_jnp(mgh.broyden_tridiagonal), [-1.0] * 1000),
+    "broyden_banded_10": (_jnp(mgh.broyden_banded), [-1.0] * 10),
+    "chandrasekhar_0.9_100": (_jnp(mgh.chandrasekhar, c=0.9), [1.0] * 100),
+    "chandrasekhar_0.9999_100": (_jnp(mgh.chandrasekhar, c=0.9999), [1.0] * 100),
 }
 #: The problems the issue names: SciPy's hybr must solve these (else the test is vacuous).
 REQUIRED = (
