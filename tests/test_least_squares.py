@@ -281,9 +281,9 @@ def test_gauss_newton_reaches_scipys_cost_on_its_boundary_value_problem(x64):
     # A line search along the Gauss-Newton step stalled at cost 19.8 (|Jᵀr| 8.9) after
     # 1000 steps: J is nearly singular there and the step almost orthogonal to the
     # gradient. In a dogleg trust region it reaches SciPy's local minimum.
-    ref = scipy.optimize.least_squares(lambda x: np.asarray(bvp(jnp.asarray(x))),
-                                       np.ones(100), jac=lambda x: np.asarray(
-                                           jax.jacfwd(bvp)(jnp.asarray(x))))
+    fun, jac = jax.jit(bvp), jax.jit(jax.jacfwd(bvp))  # (compiled once for SciPy's calls)
+    ref = scipy.optimize.least_squares(lambda x: np.asarray(fun(x)), np.ones(100),
+                                       jac=lambda x: np.asarray(jac(x)))
     x = jax.jit(lambda x0: solvers.least_squares(bvp, x0, method="gauss-newton",
                                                  max_steps=100, on_failure="ignore"))(
         jnp.ones(100))
