@@ -53,6 +53,12 @@ DENSE_MAX_SIZE = 500
 
 _ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
 _MAX_BACKTRACKS = 20
+#: Non-monotone line search: a full step is accepted when it lowers |F| below its largest
+#: value over this many accepted iterates (Grippo, Lampariello & Lucidi), so that Newton's
+#: full steps may cross a ridge of |F| (measured: see the changelog).
+_WINDOW = 10
+#: The step bound's start: this times |x0| (MINPACK's ``factor``).
+_FACTOR = 100.0
 _ETA_MAX = 0.1  # largest GMRES forcing term (relative residual of the Newton system)
 _GMRES_MAX_STEPS = 200  # matrix-vector products per Newton–Krylov direction
 
@@ -317,7 +323,8 @@ def _solve(
             runner_method = _dogleg(fn, project)
         else:
             runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
-                                    line_search, rtol, atol, project)
+                                    line_search, rtol, atol, project,
+                                    bounded=method == "newton")
         state, info = _runner.iterate(
             runner_method,
             x0_flat,
@@ -371,6 +378,10 @@ class _State(NamedTuple):
     full_step: Any  # max|d| of the previous step if it was a full one (t = 1), else 0
     eta: Any  # matrix-free Newton: (previous forcing term, previous |F|); else None
     quasi: Any  # chord/Broyden: their own state (see _chord, _broyden); Newton: None
+    f_window: Any  # |F| at the last _WINDOW accepted iterates (the non-monotone reference)
+    f_best: Any  # the smallest |F| so far (a new one is progress for the runner)
+    radius: Any  # the step bound (2-norm; 0 before the first step sets it)
+    improved: Any  # whether the last step reached a new smallest |F| (beyond rounding)
 
 
 def _norm(v):
@@ -546,8 +557,14 @@ def _broyden(ops, history_size):
 _METHODS = {"newton": _newton, "chord": _chord, "broyden": _broyden}
 
 
-def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, project):
-    """The runner's :class:`~solvers._runner.Method` for a direction and its update."""
+def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, project,
+            bounded=False):
+    """The runner's :class:`~solvers._runner.Method` for a direction and its update.
+
+    ``bounded`` (Newton: a fresh Jacobian at every step): the line search's full step is
+    judged non-monotonically (against the largest ``|F|`` of the last ``_WINDOW``
+    iterates) and bounded by MINPACK's trust radius (see :func:`_bounded`); else (a stale
+    Jacobian, whose long steps are not to be trusted) monotone and unbounded."""
     dtype = rtol.dtype
     big = jnp.finfo(dtype).max
 
@@ -559,7 +576,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         return _State(
             x0, jnp.zeros_like(x0), jnp.int32(_status.RUNNING), zero + big, zero,
             jnp.bool_(False), zero - 1, zero, eta if ops.jacobian == "matfree" else None,
-            init_quasi(x0),
+            init_quasi(x0), jnp.zeros((_WINDOW,), dtype), zero, zero, jnp.bool_(False),
         )
 
     def step(state):
@@ -579,14 +596,20 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         error = step_size * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
         scale = _runner.max_norm(x + d)
         small = d_ok & (error <= atol + rtol * scale)
+        fnorm = _norm(fx)
+        first = state.f_start < 0
+        f_start = jnp.where(first, fnorm, state.f_start)
+        window = jnp.where(first, fnorm, state.f_window)
         if line_search:
-            x_new, f_new, f_new_norm, t, ok = _line_search(fn, x, fx, d, project,
-                                                           skip=small | ~d_ok | ~f_ok)
+            cap, radius = _bounded(state, x, d, d_ok, first) if bounded else (1.0, state.radius)
+            f_ref = jnp.max(window) if bounded else fnorm
+            x_new, f_new, f_new_norm, t, ok = _line_search(
+                fn, x, fx, cap * d, project, f_ref, skip=small | ~d_ok | ~f_ok)
         else:
             x_new = project(x + d)
             f_new = fn(x_new)
             f_new_norm = _norm(f_new)
-            t, ok = 1.0, jnp.isfinite(f_new_norm)
+            t, ok, cap, radius = 1.0, jnp.isfinite(f_new_norm), 1.0, state.radius
         moved = f_ok & d_ok & (ok | small)
         no_decrease = _status.NO_DECREASE if line_search else _status.NONFINITE
         status = jnp.where(
@@ -597,7 +620,9 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         ).astype(jnp.int32)
         x_next = jnp.where(moved, x_new, x)
         f_next = jnp.where(moved, f_new, fx)
-        full_step = jnp.where(moved & (t == 1), step_size, 0.0).astype(dtype)
+        full_step = jnp.where(moved & (t == 1) & (cap == 1), step_size, 0.0).astype(dtype)
+        if line_search and bounded:
+            radius = _new_radius(radius, t * cap, _norm(d), fnorm, f_new_norm, moved & d_ok)
         # A failure with a stale Jacobian (chord, Broyden) only asks for a fresh one at
         # the next step: its error is unknown (large), not a failure.
         error = jnp.where(d_ok, error, big).astype(dtype)
@@ -606,24 +631,30 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # rtol times its value at the guess (a stale approximation can give a tiny step
         # far from a root; then the residual has not moved, and the Jacobian is
         # refreshed to decide; at the rounding floor |F| no longer halves).
-        fnorm = _norm(fx)
-        f_start = jnp.where(state.f_start < 0, fnorm, state.f_start)
         f_next_norm = jnp.where(moved, f_new_norm, fnorm)
         halved = f_next_norm <= 0.5 * fnorm
         confirmed = fresh | halved | (f_max == 0) | (f_next_norm <= rtol * f_start)
         if quasi is not None:
             quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved, halved,
                            small & ~confirmed)
+        # A new smallest |F| (beyond its rounding) is progress the runner's stagnation
+        # test counts, as a minimiser's new smallest objective: a non-monotone iteration
+        # can wander with large steps before it converges.
+        f_best = jnp.where(first, fnorm, state.f_best)
+        improved = f_next_norm < f_best * (1 - 32 * jnp.finfo(dtype).eps)
+        window = jnp.where(moved, jnp.roll(window, 1).at[0].set(f_next_norm), window)
         return state._replace(
             x=x_next, fx=f_next, status=status, error=error,
             scale=jnp.where(d_ok, scale, 0.0).astype(dtype), confirmed=confirmed,
             f_start=f_start.astype(dtype),
-            full_step=full_step, eta=eta, quasi=quasi,
+            full_step=full_step, eta=eta, quasi=quasi, f_window=window.astype(dtype),
+            f_best=jnp.minimum(f_best, f_next_norm).astype(dtype),
+            radius=jnp.asarray(radius, dtype), improved=improved,
         )
 
     def terminate(state):
         return _runner.Progress(state.error, state.scale, state.status,
-                                confirmed=state.confirmed)
+                                confirmed=state.confirmed, improved=state.improved)
 
     return _runner.Method(init, step, terminate)
 
@@ -655,8 +686,9 @@ def _dogleg(fn, project):
     where the path from the Cauchy point (the model's minimiser along the steepest
     descent of ``|F|²``) to the Newton step leaves the region, or the steepest-descent
     step to its edge (also where ``J`` is singular). A trial that reduces ``|F|²`` by
-    at least ``_TRUST_ACCEPT`` times the model's prediction is taken; the radius shrinks
-    to a quarter of a poor step, doubles after a very good one at the edge. The error
+    at least ``_TRUST_ACCEPT`` times the model's prediction is taken; the radius starts
+    no longer than the first Newton step, halves after a poor step and grows after a
+    good one (MINPACK's rules: see ``step``). The error
     of an iterate is its Newton step's length (0 at an exact root): the test trusts
     only a fresh Jacobian's step. A region shrunk to rounding without a decrease is
     ``no_decrease`` (a local minimum of ``|F|``, or a tolerance below the precision).
@@ -712,12 +744,18 @@ def _dogleg(fn, project):
             for new, old in ((y, state.x), (fy, state.fx), (jac_y, state.jac),
                              (newton_y, state.newton))
         )
+        # MINPACK's radius: _TRUST_RADIUS0 |x0|, but no longer than the first Newton
+        # step; halved after a poor step (rho < 0.1), at least twice the step after a
+        # good one (rho >= 0.5), twice the step when the model was right to 10%.
         first_radius = _TRUST_RADIUS0 * jnp.where(_norm(y) > 0, _norm(y), 1.0)
-        radius = jnp.where(
-            ~good, 0.25 * p_norm,
-            jnp.where((rho > 0.75) & (p_norm >= 0.99 * state.radius),
-                      jnp.maximum(state.radius, 2.0 * p_norm), state.radius),
-        )
+        first_newton = _norm(newton_y)
+        first_radius = jnp.where(jnp.isfinite(first_newton) & (first_newton > 0),
+                                 jnp.minimum(first_radius, first_newton), first_radius)
+        radius = jnp.where(rho < 0.1, 0.5 * state.radius,
+                           jnp.where(rho >= 0.5, jnp.maximum(state.radius, 2.0 * p_norm),
+                                     state.radius))
+        radius = jnp.where(good & (jnp.abs(rho - 1.0) <= 0.1), 2.0 * p_norm, radius)
+        radius = jnp.where(good | (rho < 0.1), radius, 0.5 * state.radius)  # (predicted <= 0)
         radius = jnp.where(state.evaluated, radius, first_radius).astype(x.dtype)
         f_max = _runner.max_norm(fx)
         step_size = _runner.max_norm(newton)
@@ -750,8 +788,38 @@ def _initial_quasi(ops, history_size):
     return init
 
 
-def _line_search(fn, x, fx, d, project, skip):
-    """Backtrack from ``t = 1`` until ``|F(x + t d)| <= (1 - 1e-4 t) |F(x)|``.
+def _bounded(state, x, d, d_ok, first):
+    """``(cap, radius)``: the share ``cap <= 1`` of the direction ``d`` within the step
+    bound ``radius`` (2-norm), as MINPACK's trust region: ``_FACTOR * |x0|`` (or
+    ``_FACTOR`` at ``x0 = 0``) and no longer than the first direction, doubled after a
+    full step, set to a backtracked step's length (so a long step into a region where
+    ``F`` is flat, where its Jacobian is singular, is not taken at once)."""
+    d_norm = _norm(d)
+    x_norm = _norm(x)
+    start = _FACTOR * jnp.where(x_norm > 0, x_norm, 1.0)
+    radius = jnp.where(first, jnp.minimum(start, jnp.where(d_ok, d_norm, start)),
+                       state.radius)
+    cap = jnp.where(d_ok & (d_norm > radius),
+                    radius / jnp.where(d_ok & (d_norm > 0), d_norm, 1.0), 1.0)
+    return cap, radius
+
+
+def _new_radius(radius, t, d_norm, fnorm, f_new_norm, moved):
+    """MINPACK's update of the step bound after a step ``t d`` (``t <= 1`` of the
+    Newton direction ``d``) took ``|F|`` from ``fnorm`` to ``f_new_norm``: with ``ρ`` the
+    actual reduction of ``|F|²`` over the linear model's, halved when ``ρ < 0.1``, at
+    least twice the step when ``ρ >= 0.5``."""
+    predicted = fnorm**2 * (1.0 - (1.0 - t) ** 2)
+    ratio = (fnorm**2 - f_new_norm**2) / jnp.where(predicted > 0, predicted, 1.0)
+    new = jnp.where(ratio < 0.1, 0.5 * radius,
+                    jnp.where(ratio >= 0.5, jnp.maximum(radius, 2.0 * t * d_norm), radius))
+    return jnp.where(moved & (predicted > 0), new, radius)
+
+
+def _line_search(fn, x, fx, d, project, f_ref, skip):
+    """Backtrack from ``t = 1`` until ``|F(x + t d)| <= (1 - 1e-4 t) |F(x)|``, the full
+    step ``t = 1`` judged against ``f_ref >= |F(x)|`` instead (non-monotone: the largest
+    ``|F|`` over the last ``_WINDOW`` iterates).
 
     Each trial ``t`` comes from the quadratic model of ``|F(x + t d)|²`` (slope
     ``-2 |F(x)|²`` along a Newton direction), kept within ``[0.1, 0.5]`` of the previous
@@ -765,7 +833,8 @@ def _line_search(fn, x, fx, d, project, skip):
     def accepted(t, fnorm):
         # False for NaN; a strict decrease (1 - 1e-4 t rounds to 1 for tiny t, and a
         # trial projected back onto x must not count as progress).
-        return (fnorm <= (1.0 - _ARMIJO * t) * f0) & ((fnorm < f0) | (f0 == 0))
+        ref = jnp.where(t == 1, f_ref, f0)
+        return (fnorm <= (1.0 - _ARMIJO * t) * ref) & ((fnorm < ref) | (f0 == 0))
 
     def cond(carry):
         t, _, _, fnorm, i = carry
