@@ -15,10 +15,12 @@ Chord and Broyden recompute the Jacobian when the memory is full or their direct
 fails the line search; a direction from a fresh Jacobian that fails is a reported
 failure (singular Jacobian, no decrease), never a NaN handed back without notice.
 
+Newton's line search (a fresh Jacobian at every step) is bounded by MINPACK's trust
+radius and accepts full steps non-monotonically (see :func:`root`).
+
 ``"dogleg"`` globalises with a trust region instead of a line search (Powell's dogleg
 on ``|F|²`` with a fresh dense Jacobian, as MINPACK's ``hybrj``): it also converges
-where the Newton direction is useless far from the root (e.g. ``tanh(2y) = 0`` from
-``y0 = 5``) and where the Jacobian is singular away from it.
+where the Jacobian is singular away from the root.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def root(
         unknowns).
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
+        Newton's search is bounded and non-monotone: the direction is cut to a trust
+        radius (MINPACK's: ``100 |x0|`` but at most the first step, halved after a step
+        that achieves under a tenth of the linear model's decrease of ``|F|²``, at least
+        twice a step that achieves half of it), and its full step is accepted when ``|F|``
+        falls below its largest value over the last 10 iterates (backtracked ones must
+        lower ``|F|`` itself); chord's and Broyden's are monotone and unbounded.
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
       lower, upper: optional box bounds (pytrees like ``x0``, or scalars; ``lower <= upper``,
         checked when they are concrete): the guess and

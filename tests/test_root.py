@@ -484,6 +484,15 @@ def test_long_newton_steps_into_a_flat_region_are_bounded(method, x64):
     np.testing.assert_allclose(x, [-0.1, 0.5, 0.0], atol=1e-9)
 
 
+@pytest.mark.parametrize("line_search", [True, False])
+def test_a_still_falling_residual_is_not_stagnation(line_search, x64):
+    # expm1(x) from 100: Newton's steps are exactly 1 (to rounding) down to x ~ 37, over 60
+    # steps without a new smallest step, while |F| falls e-fold at each: progress.
+    x, info = solvers.root(jnp.expm1, jnp.float64(100.0), max_steps=200,
+                           line_search=line_search, full_output=True)
+    assert abs(float(x)) < 1e-12 and int(info.num_steps) > 100, info
+
+
 def test_dogleg_needs_a_dense_jacobian():
     with pytest.raises(ValueError, match="dogleg.*jacobian='dense'"):
         solvers.root(lambda x: x, jnp.ones(3), method="dogleg", jacobian="matfree")
