@@ -94,8 +94,10 @@ def root(
     Each step solves ``J d = -F(x)`` (``J`` the Jacobian or its chord/Broyden
     approximation) and moves to ``x + t d``, where ``t`` halves (with quadratic
     interpolation) until ``|F|`` decreases enough. The solve stops when the estimated
-    error of ``x + d`` is small: ``max|d| <= atol + rtol * max|x|``, where ``|d|`` is
-    scaled down by ``ρ / (1 - ρ)`` once two full steps show a contraction rate ``ρ < 1/2``;
+    error of ``x + d`` is small in every unknown's own scale:
+    ``max_i |d_i| / (atol + rtol |x_i|) <= 1`` (an unknown of 1e-7 is not judged by the
+    tolerance of one of 1), scaled down by ``ρ / (1 - ρ)`` once two full steps show a
+    contraction rate ``ρ < 1/2``;
     a small step from chord's or Broyden's stale Jacobian counts only if ``|F|`` at least
     halved over it or is down to ``rtol`` times its value at the guess (else the
     Jacobian is refreshed to decide: a stale approximation can give a tiny step far
@@ -147,10 +149,10 @@ def root(
         follows ``on_failure``.
       on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
       full_output: also return an :class:`solvers.Info`: ``converged``, ``num_steps``,
-        ``residual`` (``max|F(x*)|``), ``residual_history`` (each step's error estimate,
-        ``max|d|`` scaled as above) and ``status`` (why it stopped: ``converged``,
-        ``max_steps``, ``nonfinite``, ``stagnated``, ``singular`` or ``no_decrease``; see
-        :data:`solvers.STATUSES`).
+        ``residual`` (``max|F(x*)|``), ``residual_history`` (each step's error estimate:
+        the scaled step above times ``atol + rtol * max|x|``) and ``status`` (why it
+        stopped: ``converged``, ``max_steps``, ``nonfinite``, ``stagnated``, ``singular``
+        or ``no_decrease``; see :data:`solvers.STATUSES`).
       check_every: steps per convergence test (``None``: 1, also on GPU/TPU: a step costs a
         Jacobian, more than the test's sync with the host). A solve may take up to
         ``check_every - 1`` steps more than it needs (and than ``max_steps``); the guess is
@@ -333,7 +335,7 @@ def _solve(
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps),
                       structure)
         if method == "dogleg":
-            runner_method = _dogleg(fn, project)
+            runner_method = _dogleg(fn, project, rtol, atol)
         else:
             runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
                                     line_search, rtol, atol, project,
@@ -605,12 +607,14 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         d_ok = jnp.isfinite(step_size)
         # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
-        # a fast-converging iteration stops a step earlier; never more than |d|.
-        rate = step_size / jnp.where(state.full_step > 0, state.full_step, 1.0)
+        # a fast-converging iteration stops a step earlier; never more than |d|. Each
+        # unknown is judged in its own scale (see _scaled_step).
+        scaled, scale = _scaled_step(x, d, rtol, atol)
+        rate = scaled / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
-        error = step_size * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
-        scale = _runner.max_norm(x + d)
-        small = d_ok & (error <= atol + rtol * scale)
+        relative = scaled * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
+        error = relative * (atol + rtol * scale)
+        small = d_ok & (relative <= 1)
         fnorm = _norm(fx)
         first = state.f_start < 0
         f_start = jnp.where(first, fnorm, state.f_start)
@@ -645,7 +649,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         ).astype(jnp.int32)
         x_next = jnp.where(moved, x_new, x)
         f_next = jnp.where(moved, f_new, fx)
-        full_step = jnp.where(moved & (t == 1) & (cap == 1), step_size, 0.0).astype(dtype)
+        full_step = jnp.where(moved & (t == 1) & (cap == 1), scaled, 0.0).astype(dtype)
         if line_search and bounded:
             radius = _new_radius(radius, t * cap, _norm(d), fnorm, f_new_norm, moved & d_ok)
         # A failure with a stale Jacobian (chord, Broyden) only asks for a fresh one at
@@ -703,7 +707,7 @@ _TRUST_ACCEPT = 1e-4  # accept a step whose actual reduction is this share of th
 _TRUST_RADIUS0 = 100.0  # initial radius: this times |x0| (or this if x0 = 0), as hybr
 
 
-def _dogleg(fn, project):
+def _dogleg(fn, project, rtol, atol):
     """Powell's dogleg trust region on ``|F|²`` with a fresh dense Jacobian at every
     accepted point (as MINPACK's ``hybrj``, without its Broyden updates).
 
@@ -789,8 +793,10 @@ def _dogleg(fn, project):
         status = jnp.where(~jnp.isfinite(f_max), _status.NONFINITE,
                            jnp.where(stuck, _status.NO_DECREASE, _status.RUNNING))
         big = jnp.finfo(x.dtype).max
-        error = jnp.where(jnp.isfinite(step_size), step_size, big).astype(x.dtype)
-        scale = _runner.max_norm(x + jnp.where(jnp.isfinite(step_size), newton, 0.0))
+        scaled, scale = _scaled_step(x, jnp.where(jnp.isfinite(step_size), newton, 0.0),
+                                     rtol, atol)
+        error = jnp.where(jnp.isfinite(step_size), scaled * (atol + rtol * scale), big)
+        error = error.astype(x.dtype)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
                       error, scale.astype(x.dtype))
 
@@ -811,6 +817,16 @@ def _initial_quasi(ops, history_size):
         )
 
     return init
+
+
+def _scaled_step(x, d, rtol, atol):
+    """``(max_i |d_i| / (atol + rtol |x_i + d_i|), max|x + d|)``: the step in each
+    unknown's own tolerance (the runner's test, ``error <= atol + rtol * scale``, is then
+    passed with ``error`` this times ``atol + rtol * scale``). A max-norm test alone lets
+    an unknown of 1e-7 be 10% off next to one of 1 (and the contraction rate of such an
+    unknown's steps hide behind the large unknown's first step)."""
+    y = x + d
+    return _runner.max_norm(d / (atol + rtol * jnp.abs(y))), _runner.max_norm(y)
 
 
 def _bounded(state, x, d, d_ok, first):

@@ -493,6 +493,16 @@ def test_a_still_falling_residual_is_not_stagnation(line_search, x64):
     assert abs(float(x)) < 1e-12 and int(info.num_steps) > 100, info
 
 
+@pytest.mark.parametrize("method", ["newton", "chord", "dogleg"])
+def test_each_unknown_is_judged_in_its_own_scale(method, x64):
+    # Unknowns of 1 and 1e-7: the max-norm step test (|d| <= atol + rtol max|x|) stopped
+    # Newton after 2 steps at x1 = 2.5e-6 (25 times the root), the rate estimate taken
+    # from the large unknown's first step. Each |d_i| <= atol + rtol |x_i| now.
+    F = lambda x: jnp.stack([1e9 * (x[0] - 1.0), (x[1] / 1e-7) ** 2 - 1.0])  # noqa: E731
+    x = solvers.root(F, jnp.array([0.0, 1e-5]), method=method, max_steps=200)
+    assert abs(float(x[0]) - 1.0) <= 2e-8 and abs(float(x[1]) - 1e-7) <= 2e-10, x
+
+
 def test_dogleg_needs_a_dense_jacobian():
     with pytest.raises(ValueError, match="dogleg.*jacobian='dense'"):
         solvers.root(lambda x: x, jnp.ones(3), method="dogleg", jacobian="matfree")
