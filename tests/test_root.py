@@ -447,8 +447,10 @@ def test_dogleg_converges_outside_newtons_basin(x64):
     for y0 in (0.7, 1.0, 2.0, 5.0):
         x, info = solvers.root(F, jnp.float64(y0), method="dogleg", full_output=True)
         assert bool(info.converged) and abs(float(x)) < 1e-9, (y0, info)
-    assert solvers.root(F, 5.0, method="newton", on_failure="ignore", full_output=True)[
-        1].status_name != "converged"
+    # Newton's line search bounds its steps as the trust region does (MINPACK's radius):
+    # its first step from 5 (to -6.7e3, where |F| is as large) is cut to one within it.
+    x, info = solvers.root(F, jnp.float64(5.0), method="newton", full_output=True)
+    assert bool(info.converged) and abs(float(x)) < 1e-9, info
 
 
 def test_dogleg_values_gradients_and_transformations(x64):
@@ -460,13 +462,45 @@ def test_dogleg_values_gradients_and_transformations(x64):
                                1 / (3 * np.array([2.0, 3.0, 0.5]) ** 2), rtol=1e-7)
     np.testing.assert_allclose(jax.vmap(lambda a: solvers.root(cube, 1.0, a,
                                                                method="dogleg"))(a),
-                               [2.0, 3.0, 0.5], rtol=1e-9)
+                               [2.0, 3.0, 0.5], rtol=1e-8)  # (the default rtol)
     # A pytree guess, and a guess that is already a root (singular Jacobian there).
     x = solvers.root(lambda x: {"u": x["u"] - 1.0, "v": x["v"] * 2.0 - x["u"]},
                      {"u": 0.0, "v": 0.0}, method="dogleg")
     np.testing.assert_allclose([x["u"], x["v"]], [1.0, 0.5])
     x, info = solvers.root(lambda x: x**2, 0.0, method="dogleg", full_output=True)
     assert float(x) == 0.0 and int(info.num_steps) == 0
+
+
+def _tanh3(x):  # optimistix's test system; its root is (-0.1, 0.5, 0)
+    return jnp.stack([jnp.tanh(x[0] + 0.1), jnp.tanh(x[1] - 0.5), jnp.tanh(2 * x[2])])
+
+
+@pytest.mark.parametrize("method", ["newton", "dogleg"])
+def test_long_newton_steps_into_a_flat_region_are_bounded(method, x64):
+    # From (0.5, -0.3, 0.7) the first Newton step lowers |F| but sends c to -1.35; the
+    # next, to c = 26.1, where tanh' rounds to 0 (singular). MINPACK's radius (no longer
+    # than the first step, halved after a poor one) keeps both methods out of there.
+    x = solvers.root(_tanh3, jnp.array([0.5, -0.3, 0.7]), method=method, rtol=1e-10)
+    np.testing.assert_allclose(x, [-0.1, 0.5, 0.0], atol=1e-9)
+
+
+@pytest.mark.parametrize("line_search", [True, False])
+def test_a_still_falling_residual_is_not_stagnation(line_search, x64):
+    # expm1(x) from 100: Newton's steps are exactly 1 (to rounding) down to x ~ 37, over 60
+    # steps without a new smallest step, while |F| falls e-fold at each: progress.
+    x, info = solvers.root(jnp.expm1, jnp.float64(100.0), max_steps=200,
+                           line_search=line_search, full_output=True)
+    assert abs(float(x)) < 1e-12 and int(info.num_steps) > 100, info
+
+
+@pytest.mark.parametrize("method", ["newton", "chord", "dogleg"])
+def test_each_unknown_is_judged_in_its_own_scale(method, x64):
+    # Unknowns of 1 and 1e-7: the max-norm step test (|d| <= atol + rtol max|x|) stopped
+    # Newton after 2 steps at x1 = 2.5e-6 (25 times the root), the rate estimate taken
+    # from the large unknown's first step. Each |d_i| <= atol + rtol |x_i| now.
+    F = lambda x: jnp.stack([1e9 * (x[0] - 1.0), (x[1] / 1e-7) ** 2 - 1.0])  # noqa: E731
+    x = solvers.root(F, jnp.array([0.0, 1e-5]), method=method, max_steps=200)
+    assert abs(float(x[0]) - 1.0) <= 2e-8 and abs(float(x[1]) - 1e-7) <= 2e-10, x
 
 
 def test_dogleg_needs_a_dense_jacobian():

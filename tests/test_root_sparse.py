@@ -101,7 +101,7 @@ def test_a_pattern_missing_entries_fails_the_gradient_and_says_why(x64):
         jax.block_until_ready(jax.grad(total)(jnp.ones(50), 1))
     g = jax.grad(total)(jnp.ones(50), 2)  # the right band: d sum(x*)/db = J⁻ᵀ 1
     x = solvers.root(G, jnp.zeros(50), jnp.ones(50), jac_sparsity=2)
-    assert float(jnp.max(jnp.abs(G(x, jnp.ones(50))))) < 1e-12
+    assert float(jnp.max(jnp.abs(G(x, jnp.ones(50))))) < 1e-9  # (rtol 1e-8 on the step)
     jac = np.asarray(jax.jacfwd(G)(x, jnp.ones(50)))
     np.testing.assert_allclose(g, np.linalg.solve(jac.T, np.ones(50)), rtol=1e-8)
 
