@@ -118,3 +118,17 @@ def test_a_local_minimum_of_the_residual_is_reported(x64):
     F, x0 = PROBLEMS["freudenstein_roth"]
     with pytest.raises(solvers.ConvergenceError, match="stagnated"):
         jax.block_until_ready(solvers.newton(F, jnp.asarray(x0, jnp.float64)))
+
+
+def test_a_stale_small_step_far_from_a_root_is_not_convergence(x64):
+    # Brown's almost-linear system (n = 30) from 10x its standard start: Broyden's stale
+    # approximation gave a step of 1e-24 at |F| = 9.8e5, accepted as converged because
+    # |F| was below rtol |F(x0)| (2.8e8 from that start). A stale small step now counts
+    # only where |F| halved over it; otherwise a fresh Jacobian decides.
+    F = _jnp(mgh.brown_almost_linear)
+    x0 = jnp.asarray(mgh._factor_start("brown_almost_linear", 30, 10.0))
+    x, info = solvers.root(F, x0, method="broyden", rtol=1e-10, atol=1e-10, max_steps=500,
+                           on_failure="ignore", full_output=True)
+    residual = float(jnp.max(jnp.abs(F(x))))
+    assert not bool(info.converged) or residual <= RESIDUAL_BOUND, (info.status, residual)
+    assert bool(info.converged)  # (it solves it: x = 1)
