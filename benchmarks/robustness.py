@@ -387,11 +387,10 @@ def ours(method):
 
 
 def optimistix(solver_name):
-    import optimistix as optx
-
-    solver = getattr(optx, solver_name)(rtol=RTOL, atol=ATOL)
-
     def make(fn):
+        import optimistix as optx  # (here: the test extra, which imports this module, has none)
+
+        solver = getattr(optx, solver_name)(rtol=RTOL, atol=ATOL)
         F = _jnp_fn(fn)
 
         @jax.jit

@@ -4,7 +4,7 @@ Both methods form the Jacobian ``J`` of the residuals (dense: ``jax.jacfwd`` whe
 are at most as many unknowns as residuals, ``jax.jacrev`` otherwise or when the residual
 has no forward mode, as one written with ``jax.custom_vjp``):
 
-- ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` (by QR of
+- ``"levenberg-marquardt"``: steps ``h = -(JᵀJ + μ D)⁻¹ Jᵀr`` (a least-squares solve of
   ``[J; sqrt(μ D)]``, not the normal equations) with ``D`` the largest
   ``diag(JᵀJ)`` seen so far (Moré's scaling, invariant to the units of each unknown),
   ``μ`` starting at ``damping``, and Nielsen's damping update: a step with gain ratio
@@ -262,14 +262,16 @@ def _gauss_newton_step(r, j, x):
 
 def _damped_step(r, j, damping, x):
     """The Levenberg–Marquardt step ``-(JᵀJ + diag(damping))⁻¹ Jᵀr``, as the least-squares
-    solution of ``[J; diag(sqrt(damping))] h = [-r; 0]`` by QR (as MINPACK): the normal
-    equations square ``J``'s condition number (6e8 on Meyer's scaled fit: beyond float64's
-    precision in ``JᵀJ``)."""
-    a = jnp.concatenate([_lu.factorable(j), jnp.diag(jnp.sqrt(damping)).astype(
-        _lu.factorable(j).dtype)])
-    b = jnp.concatenate([-_lu.factorable(_sharding.gathered(r)), jnp.zeros_like(x, a.dtype)])
-    q, upper = jnp.linalg.qr(a)
-    h = jax.scipy.linalg.solve_triangular(upper, _sharding.dot(q.T, b))
+    solution of ``[J; diag(sqrt(damping))] h = [-r; 0]`` (as MINPACK, which uses QR; here
+    ``jnp.linalg.lstsq``, as the Gauss–Newton step: a batched QR is refused on an Explicit
+    mesh): the normal equations square ``J``'s condition number (6e8 on Meyer's scaled
+    fit: beyond float64's precision in ``JᵀJ``)."""
+    # (on an Explicit mesh the split pieces gathered, as J is)
+    j = _lu.factorable(j)
+    a = jnp.concatenate([j, jnp.diag(jnp.sqrt(_sharding.gathered(damping))).astype(j.dtype)])
+    b = jnp.concatenate([-_lu.factorable(_sharding.gathered(r)),
+                         _sharding.gathered(jnp.zeros_like(x, a.dtype))])
+    h = jnp.linalg.lstsq(a, b, rcond=0.0)[0]  # (full rank: the damping rows)
     return _sharding.split_like(h.astype(x.dtype), x)
 
 

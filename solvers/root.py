@@ -118,7 +118,7 @@ def root(
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
         Newton's search is bounded and non-monotone: the direction is cut to a trust
-        radius (MINPACK's: ``100 |x0|`` but at most the first step, halved after a step
+        radius (MINPACK's: the first step's length, halved after a step
         that achieves under a tenth of the linear model's decrease of ``|F|²``, at least
         twice a step that achieves half of it), and its full step is accepted when ``|F|``
         falls below its largest value over the last 10 iterates (backtracked ones must
@@ -833,15 +833,17 @@ def _scaled_step(x, d, rtol, atol):
 
 def _bounded(state, x, d, d_ok, first):
     """``(cap, radius)``: the share ``cap <= 1`` of the direction ``d`` within the step
-    bound ``radius`` (2-norm), as MINPACK's trust region: ``_FACTOR * |x0|`` (or
-    ``_FACTOR`` at ``x0 = 0``) and no longer than the first direction, doubled after a
-    full step, set to a backtracked step's length (so a long step into a region where
-    ``F`` is flat, where its Jacobian is singular, is not taken at once)."""
+    bound ``radius`` (2-norm), as MINPACK's trust region: the first direction's length
+    (``_FACTOR * |x0|``, or ``_FACTOR`` at ``x0 = 0``, where that is not finite),
+    doubled after a full step, set to a backtracked step's length (so a later long step
+    into a region where ``F`` is flat, where its Jacobian is singular, is not taken at
+    once)."""
     d_norm = _norm(d)
     x_norm = _norm(x)
     start = _FACTOR * jnp.where(x_norm > 0, x_norm, 1.0)
-    radius = jnp.where(first, jnp.minimum(start, jnp.where(d_ok, d_norm, start)),
-                       state.radius)
+    # (not also capped at _FACTOR |x0|, as MINPACK's: from Brown's almost-linear start
+    # (n = 10) that took 203 Newton steps against 22; the first step's length suffices)
+    radius = jnp.where(first, jnp.where(d_ok & (d_norm > 0), d_norm, start), state.radius)
     cap = jnp.where(d_ok & (d_norm > radius),
                     radius / jnp.where(d_ok & (d_norm > 0), d_norm, 1.0), 1.0)
     return cap, radius

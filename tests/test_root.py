@@ -447,10 +447,11 @@ def test_dogleg_converges_outside_newtons_basin(x64):
     for y0 in (0.7, 1.0, 2.0, 5.0):
         x, info = solvers.root(F, jnp.float64(y0), method="dogleg", full_output=True)
         assert bool(info.converged) and abs(float(x)) < 1e-9, (y0, info)
-    # Newton's line search bounds its steps as the trust region does (MINPACK's radius):
-    # its first step from 5 (to -6.7e3, where |F| is as large) is cut to one within it.
-    x, info = solvers.root(F, jnp.float64(5.0), method="newton", full_output=True)
-    assert bool(info.converged) and abs(float(x)) < 1e-9, info
+    # Newton's bounded search starts its radius at the first step's length (not also at
+    # 100 |x0|, which took Brown's almost-linear system from 22 steps to 203), so from 5
+    # its first step goes far out where tanh is flat: a reported failure, not a result.
+    info = solvers.root(F, 5.0, method="newton", on_failure="ignore", full_output=True)[1]
+    assert info.status_name != "converged"
 
 
 def test_dogleg_values_gradients_and_transformations(x64):
