@@ -46,6 +46,7 @@ from jax.flatten_util import ravel_pytree
 from implicit import _checks, _lu, _sharding
 from solvers import _runner, _status
 from solvers.minimize import approximate_wolfe, auto_linear_solver
+from solvers.root import dogleg_step
 
 __all__ = ["least_squares"]
 
@@ -381,7 +382,7 @@ def _gauss_newton(evaluate, rtol, damping):
 
     def step(state):
         x, f, g, h, j, radius = state.x, state.f, state.g, state.h, state.j, state.mu
-        p = _dogleg(g, h, j, radius)
+        p = dogleg_step(g, h, j, radius)
         p_norm = _norm(p)
         f_new, (r_new, j_new, g_new) = evaluate(x + p)
         slope = _sharding.dot(g, p)
@@ -406,17 +407,3 @@ def _gauss_newton(evaluate, rtol, damping):
 
 def _norm(v):
     return jnp.sqrt(_sharding.dot(v, v))
-
-
-def _dogleg(g, h, j, radius):
-    """Powell's dogleg step of the Gauss–Newton model within ``radius`` (2-norm)."""
-    jg = _sharding.dot(j, g)
-    curvature = _sharding.dot(jg, jg)
-    cauchy = -_sharding.dot(g, g) / jnp.where(curvature > 0, curvature, 1.0) * g
-    c_norm, h_norm, g_norm = _norm(cauchy), _norm(h), _norm(g)
-    edge = -radius / jnp.where(g_norm > 0, g_norm, 1.0) * g  # steepest descent to the edge
-    d = h - cauchy
-    a, b, c = _sharding.dot(d, d), 2.0 * _sharding.dot(cauchy, d), c_norm**2 - radius**2
-    tau = (-b + jnp.sqrt(jnp.maximum(b * b - 4 * a * c, 0.0))) / jnp.where(a > 0, 2 * a, 1.0)
-    dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
-    return jnp.where(h_norm <= radius, h, jnp.where(c_norm >= radius, edge, dog))

@@ -741,22 +741,9 @@ def _dogleg(fn, project, rtol, atol):
 
     def proposal(state):
         """The dogleg step for the state's trust region, and its 2-norm."""
-        fx, jac, newton, radius = state.fx, state.jac, state.newton, state.radius
-        dot = _sharding.dot  # (inner products of split vectors on an Explicit mesh)
-        g = _sharding.split_like(dot(jac.T, fx), newton)  # the gradient of |F|² / 2
-        jg = dot(jac, g)
-        g_norm = _norm(g)
-        cauchy = -dot(g, g) / jnp.where(dot(jg, jg) > 0, dot(jg, jg), 1.0) * g
-        c_norm = _norm(cauchy)
-        n_norm = _norm(newton)
-        newton_ok = jnp.isfinite(n_norm)
-        edge = -radius / jnp.where(g_norm > 0, g_norm, 1.0) * g  # steepest descent, |.|=Δ
-        d = jnp.where(newton_ok, newton, 0.0) - cauchy
-        a, b, c = dot(d, d), 2.0 * dot(cauchy, d), c_norm**2 - radius**2
-        tau = (-b + jnp.sqrt(jnp.maximum(b * b - 4 * a * c, 0.0))) / jnp.where(a > 0, 2 * a, 1)
-        dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
-        p = jnp.where(newton_ok & (n_norm <= radius), newton,
-                      jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
+        fx, jac, newton = state.fx, state.jac, state.newton
+        g = _sharding.split_like(_sharding.dot(jac.T, fx), newton)  # gradient of |F|² / 2
+        p = dogleg_step(g, newton, jac, state.radius)
         return p, _norm(p)
 
     def step(state):
@@ -819,6 +806,28 @@ def _initial_quasi(ops, history_size):
         )
 
     return init
+
+
+def dogleg_step(g, newton, jac, radius):
+    """Powell's dogleg step within ``radius`` (2-norm) of the model ``|F + J p|² / 2``
+    (also a Gauss–Newton model: ``least_squares``), ``g = Jᵀ F`` its gradient: the
+    ``newton`` step where it fits, else the path from the Cauchy point (the model's
+    minimiser along ``-g``) towards it cut at the radius, or the steepest-descent step to
+    the edge (also where ``newton`` is not finite: a singular ``J``)."""
+    dot = _sharding.dot  # (inner products of split vectors on an Explicit mesh)
+    jg = dot(jac, g)
+    g_norm = _norm(g)
+    cauchy = -dot(g, g) / jnp.where(dot(jg, jg) > 0, dot(jg, jg), 1.0) * g
+    c_norm = _norm(cauchy)
+    n_norm = _norm(newton)
+    newton_ok = jnp.isfinite(n_norm)
+    edge = -radius / jnp.where(g_norm > 0, g_norm, 1.0) * g  # steepest descent, |.|=Δ
+    d = jnp.where(newton_ok, newton, 0.0) - cauchy
+    a, b, c = dot(d, d), 2.0 * dot(cauchy, d), c_norm**2 - radius**2
+    tau = (-b + jnp.sqrt(jnp.maximum(b * b - 4 * a * c, 0.0))) / jnp.where(a > 0, 2 * a, 1)
+    dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
+    return jnp.where(newton_ok & (n_norm <= radius), newton,
+                     jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
 
 
 def _scaled_step(x, d, rtol, atol):
