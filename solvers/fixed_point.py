@@ -39,8 +39,8 @@ def fixed_point(
 
     ``method="iterate"`` runs ``x <- x + damping * (f(x) - x)``; ``method="anderson"``
     extrapolates from the last ``history_size`` iterates (Anderson acceleration, type II,
-    with a ridge of ``regularization`` relative to the residuals' scale, so it stays
-    effective when residuals are tiny). Both stop when
+    with a ridge of ``regularization`` relative to each residual's squared norm, at least
+    4 eps of the dtype, so it stays effective when residuals are tiny). Both stop when
     ``max|f(x) - x| <= atol + rtol * max|f(x)|``. Gradients with respect to ``args`` and to
     traced values ``f`` closes over solve ``(I - ∂f/∂x)ᵀ w = ḡ`` with ``linear_solver``;
     the iterations are never differentiated, so memory does not grow with ``max_steps``.
@@ -54,7 +54,8 @@ def fixed_point(
         concrete 1 (the default) compiles the undamped step ``x <- f(x)``, one pass over
         the iterate fewer; other values, traced or not, share one compiled program.
       history_size: Anderson's memory (``method="anderson"``).
-      regularization: Anderson's relative ridge.
+      regularization: Anderson's relative ridge (raised to 4 eps of the dtype where it is
+        smaller: 4.8e-7 in float32).
       rtol, atol: tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
         1e-8/1e-10 in float64, 4 eps/0.4 eps in
         float16 and bfloat16); the adjoint linear solve uses ``rtol / 10``.
@@ -255,19 +256,28 @@ def _anderson_method(fn, damping, regularization, history_size):
         gram = gram.at[slot].set(row).at[:, slot].set(row)
         valid = jnp.arange(m) <= k
         a = jnp.where(valid[:, None] & valid[None, :], gram, 0.0)
-        # Ridge relative to the residuals' scale (an absolute ridge stalls once the
-        # residuals are small); unused slots get a unit diagonal and a zero weight. (The
-        # diagonal through a NumPy mask, a literal: jnp.diag's iota masks and gather
-        # indices are hoisted out of the loop by XLA, three more buffers set up before it.)
+        # Solved scaled to a unit diagonal, with a ridge on it: each residual's weight is
+        # penalised relative to its own size (an absolute ridge stalls once the residuals
+        # are small; one relative to the largest lets old large residuals bias the new
+        # small ones), and the ridge is at least 4 eps of the dtype, above the rounding of
+        # the scaled Gram matrix. Below it a rank-deficient history (a 1-d problem: every
+        # history) left a zero or negative pivot in float32, and the iteration fell back to
+        # plain steps: a repelling 1-d map took 6 steps on a CPU, 11 on a GPU, 2 now.
+        # Unused slots get a unit diagonal and a zero weight. (The diagonal through a
+        # NumPy mask, a literal: jnp.diag's iota masks and gather indices are hoisted out
+        # of the loop by XLA, three more buffers set up before it.)
         eye = np.eye(m, dtype=bool)
-        ridge = regularization * jnp.max(jnp.where(eye, a, 0.0))
-        a = a + jnp.where(eye, jnp.where(valid, ridge, 1.0), 0.0)
+        d = jnp.sum(jnp.where(eye, a, 0.0), axis=0)
+        scale = jnp.where(d > 0, jax.lax.rsqrt(jnp.where(d > 0, d, 1.0)), 1.0)
+        ridge = jnp.maximum(regularization, 4 * jnp.finfo(a.dtype).eps)
+        a = a * scale[:, None] * scale[None, :]
+        a = jnp.where(eye, jnp.where(valid, a + ridge, 1.0), a)
         # (positive definite with the ridge: no pivots, which on an Explicit mesh a
         # vmapped LU's gather could not shard either)
-        alpha = _lu.solve_positive_definite(a, valid.astype(a.dtype))
+        alpha = scale * _lu.solve_positive_definite(a, jnp.where(valid, scale, 0.0))
         alpha = alpha / jnp.sum(alpha)
-        # A degenerate least-squares system (all residuals zero: no ridge) falls back to
-        # a damped plain step.
+        # A non-finite combination (overflowing residuals) falls back to a damped plain
+        # step.
         x_new = jnp.where(jnp.all(jnp.isfinite(alpha)), _sharding.matmul(alpha, ys), ys[slot])
         return (unravel(x_new), *_runner.max_norms(g, fx), ys, gs, gram, k + 1)
 

@@ -256,12 +256,14 @@ def _affine(x, a):
 @pytest.mark.parametrize("a", [1.5, 2.0, 3.0, 5.0, -4.0])
 def test_anderson_finds_repelling_fixed_points_of_linear_maps(a, x64):
     # x = a x + 1 has the fixed point 1 / (1 - a), repelling for |a| > 1: plain iteration
-    # does not converge, Anderson (a secant method) does, in a few steps.
+    # does not converge, Anderson (a secant method) does, in two or three steps. (Its
+    # history of 1-d residuals is rank-deficient: with a ridge below float32's rounding,
+    # the solve broke down into plain steps, 6 steps on a CPU and 11 on an H200.)
     with jax.enable_x64(x64):
         # (check_every=1: the step count as on CPU; a GPU's default tests every 4th step)
         x, info = solvers.fixed_point(_affine, 0.0, a, method="anderson", full_output=True,
                                       check_every=1)
-        assert bool(info.converged) and int(info.num_steps) <= 10
+        assert bool(info.converged) and int(info.num_steps) <= 4
         # (to 10x the default rtol: 1e-5 in float32, 1e-8 in float64)
         np.testing.assert_allclose(float(x), 1 / (1 - a), rtol=1e-7 if x64 else 1e-4)
         _, info = solvers.fixed_point(_affine, 0.0, a, on_failure="ignore", full_output=True)
