@@ -45,7 +45,7 @@ from benchmarks._common import (
 
 N, BATCH, D_IN = 128, 64, 128
 # The large DEQ (GPU rows; `python -m benchmarks fixed_point` runs it where the default device
-# is not a CPU, or everywhere with BENCH_LARGE_DEQ=1).
+# is not a CPU, or everywhere with BENCH_LARGE_DEQ=1; BENCH_LARGE_DEQ=0 leaves it out).
 LARGE_N, LARGE_BATCH, LARGE_D_IN = 1024, 256, 1024
 RTOL = 1e-5
 ATOL = 1e-6  # our float32 default; the peers get the same where they take one
@@ -344,19 +344,19 @@ def main_table(params, x, ref):
         for ls in VMAPPED_LINEAR_SOLVERS:
             rows.append(measure(f"ours {method} {ls} (vmapped)", OURS,
                                 ours_vmapped(method, ls), params, x, ref))
-    rows.append(measure("jaxopt FixedPointIteration", "peer", jaxopt_solver("fpi"),
-                        params, x, ref))
-    rows.append(measure("jaxopt AndersonAcceleration", "peer", jaxopt_solver("anderson"),
-                        params, x, ref))
-    rows.append(measure("optimistix fixed_point (vmapped, LU)", "peer", optimistix_vmapped(),
-                        params, x, ref))
-    rows.append(measure("optimistix fixed_point (batched, GMRES)", "peer", optimistix_gmres(),
-                        params, x, ref))
+    rows.append(measure_peer("jaxopt FixedPointIteration", jaxopt_solver("fpi"),
+                             params, x, ref))
+    rows.append(measure_peer("jaxopt AndersonAcceleration", jaxopt_solver("anderson"),
+                             params, x, ref))
+    rows.append(measure_peer("optimistix fixed_point (vmapped, LU)", optimistix_vmapped(),
+                             params, x, ref))
+    rows.append(measure_peer("optimistix fixed_point (batched, GMRES)", optimistix_gmres(),
+                             params, x, ref))
     solve, count = seed_notebook()
-    rows.append(measure("seed notebook custom_vjp fixed_point", "peer", solve, params, x, ref,
-                        count=count))
-    rows.append(measure(f"unrolled lax.scan K={SCAN_STEPS}", "peer", unrolled_scan(SCAN_STEPS),
-                        params, x, ref))
+    rows.append(measure_peer("seed notebook custom_vjp fixed_point", solve, params, x, ref,
+                             count=count))
+    rows.append(measure_peer(f"unrolled lax.scan K={SCAN_STEPS}", unrolled_scan(SCAN_STEPS),
+                             params, x, ref))
     time_rows(rows)
     return rows
 
@@ -456,7 +456,8 @@ def main():
         rows2,
         list(rows2[0].values),
     )
-    if jax.devices()[0].platform != "cpu" or os.environ.get("BENCH_LARGE_DEQ") == "1":
+    on_cpu = jax.devices()[0].platform == "cpu"
+    if os.environ.get("BENCH_LARGE_DEQ", "0" if on_cpu else "1") == "1":
         w, u, b, x = make_problem(n=LARGE_N, batch=LARGE_BATCH, d_in=LARGE_D_IN)
         ref = reference_gradient(w, u, b, x)
         params = tuple(jnp.asarray(a, jnp.float32) for a in (w, u, b))
