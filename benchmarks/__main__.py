@@ -94,13 +94,18 @@ def main(argv):
         raise SystemExit(f"unknown suite(s) {unknown}; valid: {SUITES}")
     tee = _Tee(sys.stdout)
     sys.stdout = tee
+    import jax
+
     try:
         for name in chosen:
+            # Each suite runs in the float64 mode it declares (X64: its float64
+            # references), whichever suites ran before it (run after neural_ode, which
+            # turned float64 on for good, jaxopt's Anderson raised a dtype error).
             module = importlib.import_module(f"benchmarks.{name}")
-            module.main()
+            with jax.enable_x64(getattr(module, "X64", False)):
+                module.main()
     finally:
         sys.stdout = tee.stream
-    import jax
 
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"report_{jax.devices()[0].platform}.md"

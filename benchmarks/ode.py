@@ -54,6 +54,7 @@ from benchmarks import _common
 from benchmarks._common import OURS, Row, compile_time, print_table, run_times_interleaved
 
 jax.config.update("jax_enable_x64", True)
+X64 = True  # (python -m benchmarks runs the suite with float64 on)
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ROUNDS = 30  # interleaved timing rounds (fastest call of each)

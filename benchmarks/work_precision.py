@@ -44,6 +44,8 @@ from benchmarks import neural_ode as node
 from benchmarks import ode
 from benchmarks._common import compile_time, plot_work_precision, run_times_interleaved
 
+X64 = True  # the ODE problems' float64 references (python -m benchmarks runs it so)
+
 ROUNDS = 5
 LV_TOLS = [1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9]
 NODE_TOLS = [1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7]
