@@ -344,12 +344,19 @@ def main_table(params, x, ref):
         for ls in VMAPPED_LINEAR_SOLVERS:
             rows.append(measure(f"ours {method} {ls} (vmapped)", OURS,
                                 ours_vmapped(method, ls), params, x, ref))
-    rows.append(measure_peer("jaxopt FixedPointIteration", jaxopt_solver("fpi"),
-                             params, x, ref))
-    rows.append(measure_peer("jaxopt AndersonAcceleration", jaxopt_solver("anderson"),
-                             params, x, ref))
-    rows.append(measure_peer("optimistix fixed_point (vmapped, LU)", optimistix_vmapped(),
-                             params, x, ref))
+    rows += peer_rows(params, x, ref, vmapped=True)
+    time_rows(rows)
+    return rows
+
+
+def peer_rows(params, x, ref, vmapped):
+    """Every peer's row (optimistix's per-sample LU only where ``vmapped``)."""
+    rows = [measure_peer("jaxopt FixedPointIteration", jaxopt_solver("fpi"), params, x, ref),
+            measure_peer("jaxopt AndersonAcceleration", jaxopt_solver("anderson"),
+                         params, x, ref)]
+    if vmapped:
+        rows.append(measure_peer("optimistix fixed_point (vmapped, LU)", optimistix_vmapped(),
+                                 params, x, ref))
     rows.append(measure_peer("optimistix fixed_point (batched, GMRES)", optimistix_gmres(),
                              params, x, ref))
     solve, count = seed_notebook()
@@ -357,7 +364,6 @@ def main_table(params, x, ref):
                              count=count))
     rows.append(measure_peer(f"unrolled lax.scan K={SCAN_STEPS}", unrolled_scan(SCAN_STEPS),
                              params, x, ref))
-    time_rows(rows)
     return rows
 
 
@@ -379,17 +385,7 @@ def large_table(params, x, ref):
     rows = [measure(f"ours {method} {ls} (batched)", OURS, ours_batched(method, ls),
                     params, x, ref)
             for method in ("iterate", "anderson") for ls in ("gmres", "neumann")]
-    rows.append(measure_peer("jaxopt FixedPointIteration", jaxopt_solver("fpi"),
-                             params, x, ref))
-    rows.append(measure_peer("jaxopt AndersonAcceleration", jaxopt_solver("anderson"),
-                             params, x, ref))
-    rows.append(measure_peer("optimistix fixed_point (batched, GMRES)", optimistix_gmres(),
-                             params, x, ref))
-    solve, count = seed_notebook()
-    rows.append(measure_peer("seed notebook custom_vjp fixed_point", solve, params, x, ref,
-                             count=count))
-    rows.append(measure_peer(f"unrolled lax.scan K={SCAN_STEPS}", unrolled_scan(SCAN_STEPS),
-                             params, x, ref))
+    rows += peer_rows(params, x, ref, vmapped=False)
     time_rows(rows)
     return rows
 
