@@ -392,4 +392,4 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     dense = np.vstack([np.eye(MAX_ORDER), np.zeros((1, MAX_ORDER))])  # (stages, degree)
     # order=2: the local error of the first (order-1) step goes as h², for the first step.
     return Stepper(init, step, dense, beta1=0.0, beta2=0.0, order=2, init_counts=(1, 1, 0),
-                   diff_step=diff_step, lands=False, control=control)
+                   diff_step=diff_step, lands=False, control=control, history=True)

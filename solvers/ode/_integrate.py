@@ -109,6 +109,9 @@ class Stepper(NamedTuple):
     # global error at the step's start and re-stepping did not lower the event time's
     # error (measured), and bdf's interpolant is of its step's own order.
     restep: Any = None
+    # The cache carries the past steps (bdf's differences): a replayed block must then
+    # take the forward's steps, or the cache it ends with is not the checkpoint's.
+    history: bool = False
 
 
 class Record(NamedTuple):
@@ -410,6 +413,11 @@ def valid_times(ts):
     return jnp.all(jnp.isfinite(ts)) & jnp.all(jnp.diff(ts) > 0)
 
 
+#: A step that would end at most this fraction of its size short of an output time (or
+#: the discrete adjoint's checkpoint) is stretched onto it (:func:`_attempt`).
+SNAP = 1e-6
+
+
 def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl):
     """One attempted step from a :class:`Controller` (the body of every stepping loop).
 
@@ -424,9 +432,11 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     floor = jnp.asarray(_control.RATIO_FLOOR, dtype)
     s, h = ctrl.s, ctrl.h
     remaining = clip_to - s
-    # `s + h` may round onto the time with `h` an ulp short of `remaining` (a step
-    # replayed to end where an earlier run's step ended): that step lands too.
-    last = (h >= remaining) | (s + h >= clip_to)
+    # A step that would end within SNAP of its size short of the time lands on it (and
+    # one whose `s + h` rounds onto it): the discrete adjoint's replay, another program,
+    # may round a step's size differently (1e-10 measured), and a step of that length
+    # after it would ruin bdf's history (solvers/ode/_adjoint.py, replay).
+    last = (h * (1 + SNAP) >= remaining) | (s + h >= clip_to)
     h_proposed = h
     h = jnp.where(last, remaining, h)
     z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)

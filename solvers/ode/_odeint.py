@@ -506,7 +506,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         dy = fn(unravel(u), s, *args, *consts)
         return ravel_pytree(dy)[0].astype(dtype)
 
-    report = functools.partial(_report_backward, solver=solver, max_steps=max_steps)
+    report = functools.partial(_report_backward, solver=solver, max_steps=max_steps,
+                               discrete=adjoint == "discrete")
     # (built here, not in odeint: the static `progress` is then the user's own object,
     # and repeated calls reuse the compiled solver)
     if progress is not None:
@@ -678,8 +679,15 @@ def _notify(progress, t, accepted, t0, t_end):
           end="\n" if t >= t_end else "", flush=True)
 
 
-def _why(status, max_steps, solver, *, backward=False, event=False):
+def _why(status, max_steps, solver, *, backward=False, event=False, discrete=False):
     """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
+    if status == _integrate.DRIFT and discrete:
+        return ("the discrete adjoint's replay of the forward's steps (another program, "
+                "which XLA may round differently) took other steps, which do not join the "
+                "forward's where the method's cache is its history (bdf), or needed more "
+                "steps than its block holds: the gradient would be wrong",
+                "pass another adjoint_window (other checkpoints), or "
+                "adjoint='forward_adaptive' (forward mode: no replay)")
     if status == _integrate.DRIFT:
         why, _ = _status.explain(status)
         return (why + ", stiff or not: the gradient would be wrong",
@@ -770,7 +778,7 @@ def _message(solver, max_steps, event=None):
             "explain": lambda code: _why(code, max_steps, solver, event=event is not None)}
 
 
-def _report_backward(status, t_fail, *, solver, max_steps):
+def _report_backward(status, t_fail, *, solver, max_steps, discrete=False):
     """Raise (from the host, only when it failed) the failure of a backward pass.
 
     Returns a flag that is True when it returns: fold it into the gradient
@@ -783,7 +791,7 @@ def _report_backward(status, t_fail, *, solver, max_steps):
         code = int(status[first])
         if code == _integrate.NOT_FAILED:
             return
-        why, advice = _why(code, max_steps, solver, backward=True)
+        why, advice = _why(code, max_steps, solver, backward=True, discrete=discrete)
         name = _status.status_name(code)
         raise _runner.ConvergenceError(
             f"{solver}: the adjoint (backward) integration failed{where} at "
