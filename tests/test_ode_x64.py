@@ -28,10 +28,12 @@ SCRIPT = textwrap.dedent(
 
     ts = jnp.array([0.0, 1.0])
 
-    def run(method, k=0.5):
-        y0 = jnp.array([1.0])
-        ys = solvers.odeint(decay, y0, ts, k, method=method)
-        g = jax.grad(lambda k: solvers.odeint(decay, y0, ts, k, method=method)[-1, 0])(k)
+    def run(method, k=0.5):  # the values and the gradient: one program
+        def loss(k):
+            ys = solvers.odeint(decay, jnp.array([1.0]), ts, k, method=method)
+            return ys[-1, 0], ys
+
+        (_, ys), g = jax.value_and_grad(loss, has_aux=True)(k)
         return ys, g
 
     def check(method, dtype, rtol):
