@@ -529,30 +529,33 @@ def exp_decay(y, t):
     return -y
 
 
+# One program per policy, shared by the BAD_TS cases (traced times of one shape).
+_TS_RAISE = jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10))
+_TS_NAN = jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="nan"))
+_TS_IGNORE = jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="ignore",
+                                       full_output=True))
+_TS_GRADS = {on_failure: jax.jit(jax.grad(lambda y0, ts, on_failure=on_failure: jnp.sum(
+    odeint(exp_decay, y0, ts, max_steps=10, on_failure=on_failure)[:2]))) for on_failure in (
+    "nan", "ignore")}
+
+
 @pytest.mark.parametrize("ts", BAD_TS)
 def test_traced_ts_not_increasing(ts):
     ts = jnp.array(ts)
     # raise: the message says what is wrong (under jit the error surfaces at the call).
     with pytest.raises(Exception, match="`ts` must be strictly increasing"):
-        jax.block_until_ready(jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10))(ts))
+        jax.block_until_ready(_TS_RAISE(ts))
     # nan: every output.
-    ys = jax.jit(lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="nan"))(ts)
-    assert np.all(np.isnan(ys))
+    assert np.all(np.isnan(_TS_NAN(ts)))
     # ignore: y0, then NaN; no step taken.
-    ys, info = jax.jit(
-        lambda ts: odeint(exp_decay, 1.0, ts, max_steps=10, on_failure="ignore",
-                          full_output=True)
-    )(ts)
+    ys, info = _TS_IGNORE(ts)
     assert float(ys[0]) == 1.0 and np.all(np.isnan(ys[1:]))
     assert not bool(info.converged) and int(info.status) == _status.INVALID_INPUT
     assert info.status_name == "invalid_input"
     assert int(info.num_steps) == 0
     # Gradients are NaN too, whatever on_failure.
-    for on_failure in ("nan", "ignore"):
-        g = jax.jit(jax.grad(lambda y0, ts: jnp.sum(
-            odeint(exp_decay, y0, ts, max_steps=10, on_failure=on_failure)[:2]
-        )))(1.0, ts)
-        assert np.isnan(g)
+    for grad in _TS_GRADS.values():
+        assert np.isnan(grad(1.0, ts))
 
 
 def test_traced_ts_valid_and_invalid_in_one_batch():
