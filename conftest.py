@@ -27,6 +27,7 @@ import os
 #: and took other steps, counted to the forward's number and so ending short of it. The
 #: replay now lands on the forward's times (solvers/ode/_adjoint.py, ``replay``), which a
 #: user's program needs as much (XLA may round the replay differently on any backend).
+#: (Per test, the seconds spent tracing, lowering and compiling: tools/compile_profile.py.)
 #: ``TEST_XLA_CODEGEN=default`` runs the suite with XLA's defaults
 #: (``make test-default-codegen``); ``make demo``, ``make bench`` and ``make docs`` never
 #: use these flags.
