@@ -1,4 +1,4 @@
-"""MkDocs hooks: put the notebooks of ``notebooks/`` on the site.
+"""MkDocs hooks: the version in the site's name, and the notebooks of ``notebooks/``.
 
 The notebooks are committed without outputs and are never executed by ``mkdocs build``.
 ``tests/test_notebooks.py`` executes each one and saves the executed copy, with its
@@ -31,6 +31,15 @@ SOURCE_DIR = ROOT / "notebooks"
 EXECUTED_DIR = ROOT / "build" / "notebooks"
 #: Key in an executed notebook's metadata: the SHA-256 of the source it was run from.
 SOURCE_HASH_KEY = "implicit_solvers_source_sha256"
+
+
+def on_config(config):
+    """The package's version (pyproject.toml) after the site's name, on every page."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    config["site_name"] = f"{config['site_name']} {version}"
+    return config
 
 
 def source_sha256(path: Path) -> str:
