@@ -226,18 +226,69 @@ def tolerances(rtol, atol, dtype):
     )
 
 
-def check_args(args, name: str = "args"):
-    """Every leaf of the extra positional arguments must be an array or a number."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]:
-        if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, (np.ndarray, jax.Array)):
+def _is_array_leaf(leaf):
+    if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, (np.ndarray, jax.Array)):
+        return True
+    return isinstance(leaf, (numbers.Number, np.generic)) and not isinstance(leaf, complex)
+
+
+class BoundArgs:
+    """``fn`` with the leaves of its extra arguments that are not arrays bound in (an
+    Equinox module's activation function, a string setting): called as
+    ``bound(*lead, *array_leaves)``, it calls ``fn(*lead, *args)`` with ``args`` rebuilt.
+    Equal, and hashed alike, for the same function, tree structure and bound leaves, so
+    that a solver compiled for one call is reused by the next (jit's static arguments)."""
+
+    def __init__(self, fn, lead, treedef, bound):
+        self.fn, self.lead, self.treedef, self.bound = fn, lead, treedef, bound
+
+    def _key(self):
+        return self.fn, self.lead, self.treedef, self.bound
+
+    def __eq__(self, other):
+        return isinstance(other, BoundArgs) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __call__(self, *inputs):
+        lead, arrays = inputs[: self.lead], iter(inputs[self.lead:])
+        bound = dict(self.bound)
+        leaves = [bound[i] if i in bound else next(arrays)
+                  for i in range(self.treedef.num_leaves)]
+        return self.fn(*lead, *jax.tree.unflatten(self.treedef, leaves))
+
+
+def split_args(fns, args, lead=1, name: str = "args"):
+    """``(fns, args)`` for a solver: the user's functions ``fn(*lead_inputs, *args)``
+    (None: absent) and their extra positional arguments, whose leaves must be arrays,
+    numbers or hashable settings. Settings (non-array leaves) are bound into the functions
+    (:class:`BoundArgs`) and the array leaves returned, flat, as the arguments; where there
+    are none, ``fns`` and ``args`` come back as they are."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tuple(args))
+    bound = []
+    for i, (path, leaf) in enumerate(flat):
+        if _is_array_leaf(leaf):
             continue
-        if isinstance(leaf, (numbers.Number, np.generic)) and not isinstance(leaf, complex):
-            continue
-        raise TypeError(
-            f"`{name}{jax.tree_util.keystr(path)}` must be an array or a number (pytrees of "
-            f"arrays are fine), got {type(leaf).__name__}: {leaf!r:.80}; pass non-array "
-            "settings by closing over them in the function"
-        )
+        try:
+            hash(leaf)
+            hashable = not isinstance(leaf, complex)
+        except TypeError:
+            hashable = False
+        if not hashable:
+            raise TypeError(
+                f"`{name}{jax.tree_util.keystr(path)}` must be an array, a number or a "
+                f"hashable setting (a function, a string; pytrees of them are fine), got "
+                f"{type(leaf).__name__}: {leaf!r:.80}; or close over it in the function"
+            )
+        bound.append((i, leaf))
+    if not bound:
+        return tuple(fns), tuple(args)
+    bound = tuple(bound)
+    skip = {i for i, _ in bound}
+    arrays = tuple(leaf for i, (_, leaf) in enumerate(flat) if i not in skip)
+    fns = tuple(None if fn is None else BoundArgs(fn, lead, treedef, bound) for fn in fns)
+    return fns, arrays
 
 
 def as_floating_array(value, name: str):

@@ -57,7 +57,8 @@ def bisection(
       F: elementwise scalar function ``F(x, *args)`` returning an array shaped like ``x``.
       lower, upper: the bracket ends (arrays or numbers, broadcast together; either
         order). ``F(lower)`` and ``F(upper)`` must differ in sign (or one be zero).
-      *args: parameters (pytrees of arrays), differentiated.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays (an Equinox module's activation, a string) are held fixed.
       expand: widen a bracket on which ``F`` does not change sign before solving:
         the end with the smaller ``|F|`` moves outwards by 1.6 times the width, up to
         ``EXPAND_TRIES`` (50) times per element (``F`` at an end non-finite: stop). An
@@ -190,7 +191,7 @@ def _bracketed(
     )
     if linear_solver == "auto":
         opts = opts._replace(linear_solver="diagonal")
-    _checks.check_args(args)
+    (F,), args = _checks.split_args((F,), args)
     lower = _checks.as_floating_array(lower, "lower")
     upper = _checks.as_floating_array(upper, "upper")
     dtype = jnp.result_type(lower, upper)

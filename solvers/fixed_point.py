@@ -48,7 +48,8 @@ def fixed_point(
     Args:
       f: ``f(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
       x0: initial guess (pytree of arrays; ints are promoted to float).
-      *args: parameters (pytrees of arrays), differentiated.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"iterate"`` or ``"anderson"``.
       damping: step fraction in ``(0, 1]`` (also Anderson's mixing parameter). A
         concrete 1 (the default) compiles the undamped step ``x <- f(x)``, one pass over
@@ -99,7 +100,7 @@ def fixed_point(
         raise ValueError(f"`damping` must be in (0, 1], got {damping}")
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_positive(regularization, "regularization", allow_none=False)
-    _checks.check_args(args)
+    (f,), args = _checks.split_args((f,), args)
     x0 = _checks.as_floating(x0, "x0")
     # A concrete damping of 1 is no damping: the step is f(x) itself (None), one pass over
     # the iterate fewer per step than x + 1 * (f(x) - x).

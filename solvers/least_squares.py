@@ -92,7 +92,8 @@ def least_squares(
         (any number of residuals); one with a ``jax.custom_vjp`` works (its Jacobian by
         reverse mode; the solve is then differentiable in reverse mode only).
       x0: initial guess (pytree of float arrays; ints are promoted to float).
-      *args: parameters (pytrees of arrays), differentiated (e.g. the data).
+      *args: parameters (pytrees of arrays), differentiated (e.g. the data);
+        leaves that are not arrays (an Equinox module's activation) are held fixed.
       method: ``"levenberg-marquardt"`` or ``"gauss-newton"``.
       damping: Levenberg–Marquardt's initial damping ``μ`` (a positive number;
         ``None``: 1e-3), relative to the largest ``diag(JᵀJ)`` seen, unknown by unknown
@@ -139,7 +140,7 @@ def least_squares(
     if damping is not None and method != "levenberg-marquardt":
         raise ValueError(f"`damping` is Levenberg–Marquardt's initial damping: "
                          f"method={method!r} takes none, got damping={damping!r}")
-    _checks.check_args(args)
+    (residual,), args = _checks.split_args((residual,), args)
     # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
     # when x64 is switched in a scoped context between calls).
     args = _checks.canonicalize(args)

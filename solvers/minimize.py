@@ -78,7 +78,8 @@ def minimize(
       fun: ``fun(x, *args)`` returning a real scalar (or ``(scalar, aux)`` with
         ``has_aux=True``).
       x0: initial guess (pytree of float arrays; ints are promoted to float).
-      *args: parameters (pytrees of arrays), differentiated.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"lbfgs"`` (default), ``"bfgs"``, ``"gradient"``, ``"newton-cg"``, or an
         optax ``GradientTransformation`` (e.g. ``optax.adam(1e-2)``), run to convergence
         on the user's pytrees: ``x <- x + updates`` with no line search (an
@@ -135,7 +136,7 @@ def minimize(
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be True or False, got {has_aux!r:.80}")
     _checks.check_max_steps(history_size, "history_size")
-    _checks.check_args(args)
+    (fun,), args = _checks.split_args((fun,), args)
     # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
     # when x64 is switched in a scoped context between calls).
     args = _checks.canonicalize(args)

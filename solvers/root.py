@@ -109,7 +109,8 @@ def root(
     Args:
       F: ``F(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
       x0: initial guess (pytree of arrays; ints are promoted to float).
-      *args: parameters (pytrees of arrays), differentiated.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"newton"``, ``"chord"``, ``"broyden"`` or ``"dogleg"`` (trust region;
         dense Jacobian; ``line_search`` and ``history_size`` do not apply).
       jacobian: ``"dense"`` (``jax.jacfwd`` and LU), ``"matfree"`` (GMRES on ``jax.jvp``;
@@ -199,7 +200,7 @@ def root(
     if not isinstance(line_search, bool):
         raise TypeError(f"`line_search` must be True or False, got {line_search!r:.80}")
     _checks.check_max_steps(history_size, "history_size")
-    _checks.check_args(args)
+    (F,), args = _checks.split_args((F,), args)
     x0 = _checks.as_floating(x0, "x0")
     size = sum(leaf.size for leaf in jax.tree.leaves(x0))
     structure = None

@@ -242,7 +242,7 @@ def test_full_output_fields():
         (lambda: solvers.bisection(cube, 0.0, 1.0, 1.0, max_steps=0), ValueError, "max_steps"),
         (lambda: solvers.chandrupatla(cube, 0.0, 1.0, 1.0, rule="x"), ValueError, "`rule`"),
         (lambda: solvers.chandrupatla(cube, 0.0, 1.0, 1.0, on_failure=1), ValueError, "'raise'"),
-        (lambda: solvers.chandrupatla(cube, 0.0, 1.0, "a"), TypeError, "args"),
+        (lambda: solvers.chandrupatla(cube, 0.0, 1.0, {1, 2}), TypeError, "args"),
     ],
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):

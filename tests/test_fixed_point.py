@@ -324,7 +324,7 @@ def test_int_initial_guess_is_promoted():
         (lambda: solvers.fixed_point(lambda x: x, 1.0, on_failure="warn"), ValueError,
          "unknown `on_failure`='warn'"),
         (lambda: solvers.fixed_point(lambda x: x, 1.0, rule="fwd"), ValueError, "unknown `rule`"),
-        (lambda: solvers.fixed_point(lambda x, s: x, 1.0, "name"), TypeError,
+        (lambda: solvers.fixed_point(lambda x, s: x, 1.0, {"name"}), TypeError,
          "`args\\[0\\]` must be an array"),
         (lambda: solvers.fixed_point(lambda x: jnp.zeros(3), jnp.zeros(2)), ValueError,
          "f\\(x0, \\*args\\) must have the shape of x0: got \\(3,\\), expected \\(2,\\)"),

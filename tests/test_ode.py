@@ -599,7 +599,7 @@ def test_interpolating_adjoint_with_traced_ts(x64):
         (dict(max_steps=0), ValueError, "`max_steps` must be a positive int"),
         (dict(max_steps=10.5), TypeError, "`max_steps` must be a positive int"),
         (dict(on_failure="warn"), ValueError, "'raise', 'nan', 'ignore'"),
-        (dict(args=("a",)), TypeError, r"`args\[0\]` must be an array"),
+        (dict(args=({"a"},)), TypeError, r"`args\[0\]` must be an array"),
         (dict(f=lambda y, t, k: jnp.zeros(3)), ValueError, r"f\(y0, t, \*args\) must have"),
         (dict(f=lambda y, t, k: (y, y)), ValueError, "same pytree structure"),
         (dict(f=lambda y, t, k: jnp.zeros(2, jnp.int32)), ValueError, "dtype"),

@@ -318,7 +318,7 @@ def test_initial_guess_gets_zero_cotangent():
             ValueError,
             "rule='vjp'",
         ),
-        (lambda: solvers.root(lambda x, s: x, 1.0, "text"), TypeError, "args"),
+        (lambda: solvers.root(lambda x, s: x, 1.0, {"text"}), TypeError, "args"),
     ],
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):

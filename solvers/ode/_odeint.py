@@ -212,7 +212,8 @@ def odeint(
       y0: initial state (pytree of real arrays: float32, float64 with x64; ints and bools
         are promoted to float; complex is refused, see above).
       ts: strictly increasing 1-D array of output times; ``ts[0]`` is the initial time.
-      *args: parameters (pytrees of arrays), differentiated.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"dopri5"`` (default), ``"tsit5"``, ``"kvaerno5"`` or ``"bdf"`` (stiff).
       rtol, atol: local error tolerances (defaults follow the dtype: 1e-5/1e-6 in float32,
         1e-8/1e-10 in float64, 4 eps/0.4 eps in
@@ -362,7 +363,7 @@ def odeint(
     # Every accepted step is kept with dense=True (they are at most max_steps).
     record = 0 if dense is None or dense is False else (
         int(max_steps) if dense is True else int(dense))
-    _checks.check_args(args)
+    (f, event), args = _checks.split_args((f, event), args, lead=2)
     _check_real(y0)
     y0 = _checks.as_floating(y0, "y0")
     structure = None
