@@ -232,6 +232,14 @@ def _is_array_leaf(leaf):
     return isinstance(leaf, (numbers.Number, np.generic)) and not isinstance(leaf, complex)
 
 
+def _hashable(leaf):
+    try:
+        hash(leaf)
+    except TypeError:
+        return False
+    return True
+
+
 class BoundArgs:
     """``fn`` with the leaves of its extra arguments that are not arrays bound in (an
     Equinox module's activation function, a string setting): called as
@@ -241,6 +249,7 @@ class BoundArgs:
 
     def __init__(self, fn, lead, treedef, bound):
         self.fn, self.lead, self.treedef, self.bound = fn, lead, treedef, bound
+        self._by_index = dict(bound)
 
     def _key(self):
         return self.fn, self.lead, self.treedef, self.bound
@@ -253,7 +262,7 @@ class BoundArgs:
 
     def __call__(self, *inputs):
         lead, arrays = inputs[: self.lead], iter(inputs[self.lead:])
-        bound = dict(self.bound)
+        bound = self._by_index
         leaves = [bound[i] if i in bound else next(arrays)
                   for i in range(self.treedef.num_leaves)]
         return self.fn(*lead, *jax.tree.unflatten(self.treedef, leaves))
@@ -270,12 +279,7 @@ def split_args(fns, args, lead=1, name: str = "args"):
     for i, (path, leaf) in enumerate(flat):
         if _is_array_leaf(leaf):
             continue
-        try:
-            hash(leaf)
-            hashable = not isinstance(leaf, complex)
-        except TypeError:
-            hashable = False
-        if not hashable:
+        if isinstance(leaf, complex) or not _hashable(leaf):
             raise TypeError(
                 f"`{name}{jax.tree_util.keystr(path)}` must be an array, a number or a "
                 f"hashable setting (a function, a string; pytrees of them are fine), got "

@@ -559,7 +559,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         target = jnp.minimum(first + W, n_acc)
         last_block = target == n_acc
         at_checkpoint = (target == (slot + 1) * spacing) & (slot + 1 < num_slots)
-        t_checkpoint = bufs[0][0][jnp.minimum(slot + 1, num_slots - 1), 0]  # (its s)
+        t_checkpoint = Controller.time(
+            jax.tree.map(lambda b: b[jnp.minimum(slot + 1, num_slots - 1)], bufs[0]))
         land = last_block | at_checkpoint
         t_land = jnp.where(last_block, t_last, jnp.where(at_checkpoint, t_checkpoint, jnp.inf))
         buf = (

@@ -182,6 +182,11 @@ class Controller(NamedTuple):
         not fold the slices back into the vectors.)"""
         return packed[1][cls._fields.index("num_accepted") - 4]
 
+    @classmethod
+    def time(cls, packed):
+        """``s`` of a :meth:`pack`-ed carry (the same: no unpacking)."""
+        return packed[0][cls._fields.index("s")]
+
 
 class LastStep(NamedTuple):
     """The last accepted step (start, size, state, stage derivatives): dense output."""
