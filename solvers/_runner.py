@@ -371,6 +371,48 @@ def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, messa
     return x
 
 
+# --- has_aux: a user function that also returns auxiliary data -------------------------
+
+
+def check_has_aux(has_aux):
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be True or False, got {has_aux!r:.80}")
+
+
+def check_pair(out, fn_name):
+    """``fn(x0, *args)`` (shapes) of a function with ``has_aux=True``: a pair."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"`{fn_name}` with has_aux=True must return a pair (value, aux), got "
+                         f"{jax.tree.structure(out)}")
+
+
+def main_output(fn, has_aux):
+    """``fn`` itself, or (``has_aux``) the function of its first output only: what the
+    solver iterates on and differentiates (made inside the jitted solve, so the compiled
+    solver is still cached per user function)."""
+    if not has_aux:
+        return fn
+    return lambda *a: fn(*a)[0]
+
+
+def with_aux(fn, x, args, info, has_aux):
+    """A solve's ``(x, info)``, or (``has_aux``) ``((x, aux), info)`` with ``aux`` the
+    function's second output at the solution: differentiable, through ``x`` by the
+    implicit function theorem and through ``args`` directly."""
+    if not has_aux:
+        return x, info
+    return (x, fn(x, *args)[1]), info
+
+
+def unpack_aux(out, has_aux, full_output):
+    """What a solver returns: ``x``, ``(x, info)``, ``(x, aux)`` or ``(x, aux, info)``,
+    from :func:`dispatch`'s output of a solve that returned :func:`with_aux`'s."""
+    if has_aux and full_output:
+        (x, aux), info = out
+        return x, aux, info
+    return out
+
+
 # --- the implicit rule and the policy, attached once ------------------------------------
 
 

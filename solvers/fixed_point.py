@@ -23,6 +23,7 @@ def fixed_point(
     x0,
     *args,
     method="iterate",
+    has_aux=False,
     damping=1.0,
     history_size=5,
     regularization=1e-8,
@@ -46,11 +47,15 @@ def fixed_point(
     the iterations are never differentiated, so memory does not grow with ``max_steps``.
 
     Args:
-      f: ``f(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
+      f: ``f(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``
+        (with ``has_aux=True``, a pair of that and any auxiliary pytree).
       x0: initial guess (pytree of arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated; leaves that are not
         arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"iterate"`` or ``"anderson"``.
+      has_aux: ``f`` returns ``(x_new, aux)`` (a DEQ layer's logits, a loss term);
+        ``aux`` at the fixed point is returned too (differentiable, through ``x*`` by
+        the implicit function theorem).
       damping: step fraction in ``(0, 1]`` (also Anderson's mixing parameter). A
         concrete 1 (the default) compiles the undamped step ``x <- f(x)``, one pass over
         the iterate fewer; other values, traced or not, share one compiled program.
@@ -81,7 +86,8 @@ def fixed_point(
         it needs (and than ``max_steps``); the guess is still tested first.
 
     Returns:
-      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``;
+      with ``has_aux``, ``(x*, aux)`` or ``(x*, aux, info)``.
 
     Example:
       >>> import jax, solvers
@@ -100,6 +106,7 @@ def fixed_point(
         raise ValueError(f"`damping` must be in (0, 1], got {damping}")
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_positive(regularization, "regularization", allow_none=False)
+    _runner.check_has_aux(has_aux)
     (f,), args = _checks.split_args((f,), args)
     x0 = _checks.as_floating(x0, "x0")
     # A concrete damping of 1 is no damping: the step is f(x) itself (None), one pass over
@@ -110,7 +117,7 @@ def fixed_point(
             linear_solver=_auto_linear_solver(method, undamped, rule, on_failure, x0)
         )
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    return _runner.dispatch(
+    out = _runner.dispatch(
         _solve,
         x0,
         args,
@@ -121,9 +128,11 @@ def fixed_point(
         f=f,
         fn=f,
         method=method,
+        has_aux=has_aux,
         history_size=int(history_size),
         solver=f"solvers.fixed_point(method={method!r})",
     )
+    return _runner.unpack_aux(out, has_aux, full_output)
 
 
 def _auto_linear_solver(method, undamped, rule, on_failure, x0):
@@ -151,12 +160,18 @@ def _solve(
     *,
     f,
     method,
+    has_aux,
     history_size,
     options,
     solver,
     check,
 ):
-    _checks.check_like(_checks.call_shape(f, "f", x0, *args), x0, "f(x0, *args)", "x0")
+    f_aux = f
+    out = _checks.call_shape(f, "f", x0, *args)
+    if has_aux:
+        _runner.check_pair(out, "f")
+        out, f = out[0], _runner.main_output(f, has_aux)
+    _checks.check_like(out, x0, "f(x0, *args)", "x0")
     make = _iterate_method if method == "iterate" else _anderson_method
 
     def body(x0, args):
@@ -176,8 +191,9 @@ def _solve(
     def residual(x, *args):
         return jax.tree.map(jnp.subtract, f(x, *args), x)
 
-    return _runner.solve(residual, body, x0, args, rtol=rtol, options=options, check=check,
-                         solver=solver)
+    x, info = _runner.solve(residual, body, x0, args, rtol=rtol, options=options,
+                            check=check, solver=solver)
+    return _runner.with_aux(f_aux, x, args, info, has_aux)
 
 
 def _init(x0):

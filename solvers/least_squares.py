@@ -63,6 +63,7 @@ def least_squares(
     x0,
     *args,
     method="levenberg-marquardt",
+    has_aux=False,
     rtol=None,
     atol=None,
     max_steps=200,
@@ -90,11 +91,15 @@ def least_squares(
     Args:
       residual: ``residual(x, *args)`` returning an array or a pytree of float arrays
         (any number of residuals); one with a ``jax.custom_vjp`` works (its Jacobian by
-        reverse mode; the solve is then differentiable in reverse mode only).
+        reverse mode; the solve is then differentiable in reverse mode only). With
+        ``has_aux=True``, a pair of that and any auxiliary pytree.
       x0: initial guess (pytree of float arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated (e.g. the data);
         leaves that are not arrays (an Equinox module's activation) are held fixed.
       method: ``"levenberg-marquardt"`` or ``"gauss-newton"``.
+      has_aux: ``residual`` returns ``(residuals, aux)`` (a fitted curve, a
+        diagnostic); ``aux`` at the solution is returned too (differentiable, through
+        ``x*`` by the implicit function theorem).
       damping: Levenberg–Marquardt's initial damping ``μ`` (a positive number;
         ``None``: 1e-3), relative to the largest ``diag(JᵀJ)`` seen, unknown by unknown
         (as jaxopt's ``damping_parameter``, which is relative to the largest diagonal
@@ -116,7 +121,8 @@ def least_squares(
         ``no_decrease``).
 
     Returns:
-      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``;
+      with ``has_aux``, ``(x*, aux)`` or ``(x*, aux, info)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, solvers
@@ -137,6 +143,7 @@ def least_squares(
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_positive(damping, "damping")
+    _runner.check_has_aux(has_aux)
     if damping is not None and method != "levenberg-marquardt":
         raise ValueError(f"`damping` is Levenberg–Marquardt's initial damping: "
                          f"method={method!r} takes none, got damping={damping!r}")
@@ -148,7 +155,7 @@ def least_squares(
     if linear_solver == "auto":
         opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure))
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    return _runner.dispatch(
+    out = _runner.dispatch(
         _solve,
         x0,
         args,
@@ -158,9 +165,11 @@ def least_squares(
         residual=residual,
         fn=residual,
         method=method,
+        has_aux=has_aux,
         solver=f"solvers.least_squares(method={method!r})",
         forward_hint=_forward_hint(rule),
     )
+    return _runner.unpack_aux(out, has_aux, full_output)
 
 
 def _forward_hint(rule):
@@ -200,8 +209,14 @@ def _has_forward_mode(fn, x):
 
 
 @_runner.jit_solver
-def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, check):
-    _check_residual_output(_checks.call_shape(residual, "residual", x0, *args))
+def _solve(x0, args, rtol, atol, damping, *, residual, method, has_aux, options, solver,
+           check):
+    residual_aux = residual
+    out = _checks.call_shape(residual, "residual", x0, *args)
+    if has_aux:
+        _runner.check_pair(out, "residual")
+        out, residual = out[0], _runner.main_output(residual, has_aux)
+    _check_residual_output(out)
 
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)
@@ -235,8 +250,9 @@ def _solve(x0, args, rtol, atol, damping, *, residual, method, options, solver, 
         r, vjp = jax.vjp(lambda x: residual(x, *args), x)
         return vjp(r)[0]
 
-    return _runner.solve(optimality, body, x0, args, rtol=rtol, options=options,
-                         check=check, solver=solver)
+    x, info = _runner.solve(optimality, body, x0, args, rtol=rtol, options=options,
+                            check=check, solver=solver)
+    return _runner.with_aux(residual_aux, x, args, info, has_aux)
 
 
 class _State(NamedTuple):

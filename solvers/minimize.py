@@ -133,8 +133,7 @@ def minimize(
         full_output=full_output, rule=rule, linear_solver=linear_solver,
     )
     name = _check_method(method)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be True or False, got {has_aux!r:.80}")
+    _runner.check_has_aux(has_aux)
     _checks.check_max_steps(history_size, "history_size")
     (fun,), args = _checks.split_args((fun,), args)
     # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
@@ -146,13 +145,13 @@ def minimize(
     if linear_solver == "auto":
         opts = opts._replace(linear_solver=auto_linear_solver(x0, on_failure, bounded))
     dtype = jnp.result_type(*jax.tree.leaves(x0))
-    out, info = _runner.dispatch(
+    out = _runner.dispatch(
         _solve,
         x0,
         args,
         bounds,
         *_checks.tolerances(rtol, atol, dtype),
-        options=opts._replace(full_output=True),
+        options=opts,
         fun=fun,
         fn=fun,
         method=method,
@@ -161,10 +160,7 @@ def minimize(
         history=bool(full_output),
         solver=f"solvers.minimize(method={name})",
     )
-    x, aux = out
-    if has_aux:
-        return (x, aux, info) if full_output else (x, aux)
-    return (x, info) if full_output else x
+    return _runner.unpack_aux(out, has_aux, full_output)
 
 
 def _check_method(method):
@@ -198,11 +194,7 @@ def auto_linear_solver(x0, on_failure, bounded=False):
 def check_scalar_output(out, fn_name, has_aux):
     """``fun(x0, *args)`` (shapes) must be a real scalar, or ``(scalar, aux)``."""
     if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise ValueError(
-                f"`{fn_name}` with has_aux=True must return a pair (value, aux), got "
-                f"{jax.tree.structure(out)}"
-            )
+        _runner.check_pair(out, fn_name)
         out = out[0]
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
         hint = "; pass has_aux=True if it returns (value, aux)" if not has_aux else ""
@@ -282,8 +274,7 @@ def _solve(
 
     x, info = _runner.solve(residual, body, x0, args, rtol=rtol, options=options,
                             check=check, solver=solver)
-    aux = fun(x, *args)[1] if has_aux else None
-    return (x, aux), info
+    return _runner.with_aux(fun, x, args, info, has_aux)
 
 
 # --- the line search, shared with least_squares -----------------------------------------

@@ -74,6 +74,7 @@ def root(
     x0,
     *args,
     method="newton",
+    has_aux=False,
     jacobian="auto",
     line_search=True,
     history_size=10,
@@ -107,12 +108,15 @@ def root(
     iterations are never differentiated.
 
     Args:
-      F: ``F(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``.
+      F: ``F(x, *args)`` returning a pytree with the structure, shapes and dtypes of ``x``
+        (with ``has_aux=True``, a pair of that and any auxiliary pytree).
       x0: initial guess (pytree of arrays; ints are promoted to float).
       *args: parameters (pytrees of arrays), differentiated; leaves that are not
         arrays (an Equinox module's activation, a string) are held fixed.
       method: ``"newton"``, ``"chord"``, ``"broyden"`` or ``"dogleg"`` (trust region;
         dense Jacobian; ``line_search`` and ``history_size`` do not apply).
+      has_aux: ``F`` returns ``(residual, aux)``; ``aux`` at the root is returned too
+        (differentiable, through ``x*`` by the implicit function theorem).
       jacobian: ``"dense"`` (``jax.jacfwd`` and LU), ``"matfree"`` (GMRES on ``jax.jvp``;
         no Jacobian is formed) or ``"auto"`` (dense up to ``DENSE_MAX_SIZE`` (500)
         unknowns).
@@ -172,7 +176,8 @@ def root(
         band's width squared (resp. width), not ``n²``. ``jacobian`` must then be ``"auto"``.
 
     Returns:
-      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``.
+      ``x*`` with the structure of ``x0``, or ``(x*, info)`` with ``full_output=True``;
+      with ``has_aux``, ``(x*, aux)`` or ``(x*, aux, info)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, solvers
@@ -200,6 +205,7 @@ def root(
     if not isinstance(line_search, bool):
         raise TypeError(f"`line_search` must be True or False, got {line_search!r:.80}")
     _checks.check_max_steps(history_size, "history_size")
+    _runner.check_has_aux(has_aux)
     (F,), args = _checks.split_args((F,), args)
     x0 = _checks.as_floating(x0, "x0")
     size = sum(leaf.size for leaf in jax.tree.leaves(x0))
@@ -233,7 +239,7 @@ def root(
     # fewer).
     bounded = lower is not None or upper is not None
     bounds = _checks.box_bounds(lower, upper, x0) if bounded else None
-    return _runner.dispatch(
+    out = _runner.dispatch(
         _solve,
         x0,
         args,
@@ -243,6 +249,7 @@ def root(
         F=F,
         fn=F,
         method=method,
+        has_aux=has_aux,
         jacobian=jacobian,
         line_search=line_search,
         history_size=int(history_size),
@@ -250,6 +257,7 @@ def root(
         reuse=reuse,
         solver=f"solvers.root(method={method!r})",
     )
+    return _runner.unpack_aux(out, has_aux, full_output)
 
 
 class _StructuredSolve:
@@ -306,6 +314,7 @@ def _solve(
     *,
     F,
     method,
+    has_aux,
     jacobian,
     line_search,
     history_size,
@@ -315,7 +324,12 @@ def _solve(
     structure=None,
     reuse=False,
 ):
-    _checks.check_like(_checks.call_shape(F, "F", x0, *args), x0, "F(x0, *args)", "x0")
+    F_aux = F
+    out = _checks.call_shape(F, "F", x0, *args)
+    if has_aux:
+        _runner.check_pair(out, "F")
+        out, F = out[0], _runner.main_output(F, has_aux)
+    _checks.check_like(out, x0, "F(x0, *args)", "x0")
 
     if bounds is None:
         def project(v):
@@ -362,8 +376,9 @@ def _solve(
         factors = ops.reusable(state.quasi) if method == "newton" else state.quasi.factors
         return unravel(state.x), info, _adjoint_preconditioner(factors)
 
-    return _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
-                         solver=solver, preconditioner=reuse)
+    x, info = _runner.solve(F, body, x0, args, rtol=rtol, options=options, check=check,
+                            solver=solver, preconditioner=reuse)
+    return _runner.with_aux(F_aux, x, args, info, has_aux)
 
 
 def _adjoint_preconditioner(factors):
