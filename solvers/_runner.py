@@ -386,13 +386,16 @@ def check_pair(out, fn_name):
                          f"{jax.tree.structure(out)}")
 
 
-def main_output(fn, has_aux):
-    """``fn`` itself, or (``has_aux``) the function of its first output only: what the
-    solver iterates on and differentiates (made inside the jitted solve, so the compiled
-    solver is still cached per user function)."""
+def main_output(fn, fn_name, x0, args, has_aux):
+    """``(fn, shapes of fn(x0, *args))``, or (``has_aux``, after checking that ``fn``
+    returns a pair) the function of its first output only and that output's shapes: what
+    the solver iterates on and differentiates (made inside the jitted solve, so the
+    compiled solver is still cached per user function)."""
+    out = _checks.call_shape(fn, fn_name, x0, *args)
     if not has_aux:
-        return fn
-    return lambda *a: fn(*a)[0]
+        return fn, out
+    check_pair(out, fn_name)
+    return (lambda *a: fn(*a)[0]), out[0]
 
 
 def with_aux(fn, x, args, info, has_aux):

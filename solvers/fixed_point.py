@@ -167,10 +167,7 @@ def _solve(
     check,
 ):
     f_aux = f
-    out = _checks.call_shape(f, "f", x0, *args)
-    if has_aux:
-        _runner.check_pair(out, "f")
-        out, f = out[0], _runner.main_output(f, has_aux)
+    f, out = _runner.main_output(f, "f", x0, args, has_aux)
     _checks.check_like(out, x0, "f(x0, *args)", "x0")
     make = _iterate_method if method == "iterate" else _anderson_method
 

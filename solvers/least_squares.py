@@ -212,10 +212,7 @@ def _has_forward_mode(fn, x):
 def _solve(x0, args, rtol, atol, damping, *, residual, method, has_aux, options, solver,
            check):
     residual_aux = residual
-    out = _checks.call_shape(residual, "residual", x0, *args)
-    if has_aux:
-        _runner.check_pair(out, "residual")
-        out, residual = out[0], _runner.main_output(residual, has_aux)
+    residual, out = _runner.main_output(residual, "residual", x0, args, has_aux)
     _check_residual_output(out)
 
     def body(x0, args):

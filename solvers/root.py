@@ -325,10 +325,7 @@ def _solve(
     reuse=False,
 ):
     F_aux = F
-    out = _checks.call_shape(F, "F", x0, *args)
-    if has_aux:
-        _runner.check_pair(out, "F")
-        out, F = out[0], _runner.main_output(F, has_aux)
+    F, out = _runner.main_output(F, "F", x0, args, has_aux)
     _checks.check_like(out, x0, "F(x0, *args)", "x0")
 
     if bounds is None:
