@@ -4,6 +4,7 @@ Run as a script (the XLA flag must be set before JAX starts, so tests/test_shard
 runs it in a subprocess)::
 
     python tests/sharding_matrix.py [--solvers a,b] [--modes m,n] [--checks c,d]
+    python tests/sharding_matrix.py --plan 'a,b@m,n;c@m' [--then-replicated e,f]
 
 It prints one line per case, ``CASE <solver> <mode> <check> <PASS|FAIL> <detail>``,
 and a table at the end. Modes: ``auto`` (a sharded ``jit`` on an Auto mesh),
@@ -620,35 +621,41 @@ def main():
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--checks", default=",".join(CHECKS))
     parser.add_argument("--replicated", action="store_true")
+    parser.add_argument("--plan", default=None, help="instead of --solvers and --modes: "
+                        "groups 'solver,solver@mode,mode' separated by ';'")
+    parser.add_argument("--then-replicated", default=None, help="after the matrix, these "
+                        "--replicated problems (one process: its start paid once)")
     opts = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
     if opts.replicated:  # (--solvers picks among its problems)
         only = opts.solvers.split(",") if opts.solvers != ",".join(PROBLEMS) else None
         return _main_replicated(only)
-    names, modes, checks = (opts.solvers.split(","), opts.modes.split(","),
-                            opts.checks.split(","))
-    assert jax.device_count() == 8, jax.devices()
+    plan = ([tuple(group.split("@")) for group in opts.plan.split(";")] if opts.plan
+            else [(opts.solvers, opts.modes)])
+    checks = opts.checks.split(",")
     table = {}
-    for name in names:
-        for mode in modes:
-            for check in checks:
-                try:
-                    ok, detail = case(name, mode, check)
-                except Exception as err:  # noqa: BLE001
-                    ok, detail = False, f"{type(err).__name__}: {str(err)[:300]}"
-                    if os.environ.get("SHARDING_TRACEBACK"):
-                        traceback.print_exc()
-                table[name, mode, check] = ok
-                detail = detail.replace("\n", " ")
-                print(f"CASE {name} {mode} {check} {'PASS' if ok else 'FAIL'} {detail}",
-                      flush=True)
+    for names, modes in plan:
+        for name in names.split(","):
+            for mode in modes.split(","):
+                for check in checks:
+                    try:
+                        ok, detail = case(name, mode, check)
+                    except Exception as err:  # noqa: BLE001
+                        ok, detail = False, f"{type(err).__name__}: {str(err)[:300]}"
+                        if os.environ.get("SHARDING_TRACEBACK"):
+                            traceback.print_exc()
+                    table[name, mode, check] = ok
+                    detail = detail.replace("\n", " ")
+                    print(f"CASE {name} {mode} {check} {'PASS' if ok else 'FAIL'} {detail}",
+                          flush=True)
     print()
     print(f"{'solver':14s} {'mode':10s} " + " ".join(f"{c:6s}" for c in checks))
-    for name in names:
-        for mode in modes:
-            cells = " ".join(f"{'pass' if table[name, mode, c] else 'FAIL':6s}" for c in checks)
-            print(f"{name:14s} {mode:10s} {cells}")
+    for name, mode in dict.fromkeys((name, mode) for name, mode, _ in table):
+        cells = " ".join(f"{'pass' if table[name, mode, c] else 'FAIL':6s}" for c in checks)
+        print(f"{name:14s} {mode:10s} {cells}")
     print("ALL PASS" if all(table.values()) else "SOME FAILED", flush=True)
+    if opts.then_replicated:  # (last: it switches float64 on for the rest of the process)
+        _main_replicated(opts.then_replicated.split(","))
 
 
 if __name__ == "__main__":

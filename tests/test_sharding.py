@@ -53,12 +53,62 @@ def _check(cases):
     assert not failed, "\n".join(" ".join(c) for c in failed)
 
 
-def test_matrix_fast():
-    """Value, gradient, raise and NaN of an elementwise, a vmapped and a whole-batch
-    fixed-point, and a vmapped Newton solve under a sharded jit (Auto and Explicit
-    meshes), shard_map and pmap."""
-    _, cases = _matrix("--solvers", "bisection,fixed_point,whole_anderson,newton")
-    assert len(cases) == 4 * 4 * 4
+#: The default suite's matrix, run in one process (each process pays JAX's start and its
+#: own compilations): (solvers, modes, expected cases) per group, then the --replicated
+#: problems and their expected cases.
+DEFAULT_PLAN = (
+    # Value, gradient, raise and NaN of an elementwise, a vmapped and a whole-batch
+    # fixed point, and a vmapped Newton solve under a sharded jit (Auto and Explicit
+    # meshes), shard_map and pmap.
+    ("bisection,fixed_point,whole_anderson,newton", "auto,explicit,shard_map,pmap", 64),
+    # odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
+    # gradient (discrete adjoint), raise and NaN, the output sharded like the state; the
+    # same for a terminal event of the whole state (its time and the state there). (Dense
+    # output and non-terminal events: the slow test below.)
+    ("whole_odeint,whole_odeint_event", "explicit", 8),
+    # One problem of the whole sharded state on an Explicit mesh, its dense Jacobian or
+    # inverse-Hessian gathered (an LU is not partitioned), the result split like the
+    # state: root (newton), minimize (lbfgs), least_squares (Levenberg-Marquardt) and
+    # odeint with bdf: value, gradient, raise and NaN. (The other methods: the slow test
+    # below.)
+    ("whole_newton,whole_minimize,whole_least_squares,whole_odeint_bdf", "explicit", 16),
+)
+DEFAULT_REPLICATED = (
+    # Under shard_map (check_vma), the gradient with respect to a parameter that does not
+    # vary over the mesh (in_specs=P(), or closed over by the body) of a vmapped odeint
+    # (dopri5, discrete adjoint), bisection and of a whole-batch Anderson solve equals
+    # the whole batch's gradient without shard_map (float64, 1e-10); an f closing over
+    # such a traced parameter is refused, saying what to do. (The backsolve adjoint,
+    # kvaerno5, bdf and Broyden: the slow test below.)
+    ("odeint,bisection,whole_anderson,odeint_f_closure", 5),
+    # With vmap, float64: the values, the gradient with respect to a replicated
+    # parameter and to the sharded batch of odeint with forward sensitivities
+    # (adjoint="forward"), and forward mode itself (jax.jacfwd in the replicated
+    # parameter, jax.jvp in the batch), equal those without shard_map (1e-10). (The
+    # interpolating adjoint and "forward_adaptive": the slow test below.)
+    ("odeint_forward", 5),
+    # Terminal events (the event time and state; dopri5, discrete adjoint): values and
+    # gradients (replicated parameter, sharded batch) equal those without shard_map
+    # (1e-10). (The interpolating adjoint, kvaerno5, non-terminal events and dense
+    # output: the slow test below.)
+    ("odeint_event", 3),
+)
+
+
+def test_default_matrix():
+    """The groups of ``DEFAULT_PLAN`` and ``DEFAULT_REPLICATED`` (see their comments), in
+    one subprocess: every case passes, and each group ran all its cases."""
+    plan = ";".join(f"{names}@{modes}" for names, modes, _ in DEFAULT_PLAN)
+    replicated = ",".join(names for names, _ in DEFAULT_REPLICATED)
+    _, cases = _matrix("--plan", plan, "--then-replicated", replicated)
+    n_plan = sum(count for _, _, count in DEFAULT_PLAN)
+    assert len(cases) == n_plan + sum(count for _, count in DEFAULT_REPLICATED)
+    matrix, rest = cases[:n_plan], cases[n_plan:]  # (printed in that order)
+    for names, modes, count in DEFAULT_PLAN:
+        got = [c for c in matrix if c[0] in names.split(",") and c[1] in modes.split(",")]
+        assert len(got) == count, (names, modes, got)
+    for names, count in DEFAULT_REPLICATED:
+        assert len([c for c in rest if c[0] in names.split(",")]) == count, (names, rest)
     _check(cases)
 
 
@@ -74,34 +124,12 @@ def test_matrix_full():
     _check(cases)
 
 
-def test_whole_odeint_on_an_explicit_mesh():
-    """odeint of one whole sharded state (not vmapped) on an Explicit mesh: value and
-    gradient (discrete adjoint), raise and NaN, the output sharded like the state; the
-    same for a terminal event of the whole state (its time and the state there). (Dense
-    output and non-terminal events: the slow test below.)"""
-    _, cases = _matrix("--solvers", "whole_odeint,whole_odeint_event", "--modes", "explicit")
-    assert len(cases) == 2 * 4
-    _check(cases)
-
-
 @pytest.mark.slow
 def test_whole_odeint_dense_and_nonterminal_on_an_explicit_mesh():
     """As above for its dense output (info.solution.evaluate) and non-terminal events."""
     _, cases = _matrix("--solvers", "whole_odeint_dense,whole_odeint_nonterminal", "--modes",
                        "explicit")
     assert len(cases) == 2 * 4
-    _check(cases)
-
-
-def test_whole_state_solves_on_an_explicit_mesh():
-    """One problem of the whole sharded state on an Explicit mesh, its dense Jacobian or
-    inverse-Hessian gathered (an LU is not partitioned), the result split like the
-    state: root (newton), minimize (lbfgs), least_squares (Levenberg-Marquardt) and
-    odeint with bdf: value, gradient, raise and NaN. (The other methods: the slow
-    test below.)"""
-    names = "whole_newton,whole_minimize,whole_least_squares,whole_odeint_bdf"
-    _, cases = _matrix("--solvers", names, "--modes", "explicit")
-    assert len(cases) == 4 * 4
     _check(cases)
 
 
@@ -116,36 +144,12 @@ def test_whole_state_solves_on_an_explicit_mesh_other_methods():
     _check(cases)
 
 
-def test_gradient_of_a_replicated_parameter_under_shard_map():
-    """Under shard_map (check_vma), the gradient with respect to a parameter that does
-    not vary over the mesh (in_specs=P(), or closed over by the body) of a vmapped
-    odeint (dopri5, discrete adjoint), bisection and of a whole-batch Anderson solve,
-    equals the whole batch's gradient without shard_map (float64, 1e-10); an f closing
-    over such a traced parameter is refused, saying what to do. (The backsolve adjoint,
-    kvaerno5, bdf and Broyden: the slow test below.)"""
-    _, cases = _matrix("--replicated", "--solvers",
-                       "odeint,bisection,whole_anderson,odeint_f_closure")
-    assert len(cases) == 5
-    _check(cases)
-
-
 @pytest.mark.slow
 def test_gradient_of_a_replicated_parameter_under_shard_map_other_solvers():
     """As above for odeint with the backsolve adjoint, kvaerno5 and bdf, and Broyden."""
     _, cases = _matrix("--replicated", "--solvers",
                        "odeint_backsolve,odeint_kvaerno5,odeint_bdf,broyden")
     assert len(cases) == 4
-    _check(cases)
-
-
-def test_odeint_adjoints_and_forward_mode_under_shard_map():
-    """Under shard_map (check_vma) with vmap, float64: the values, the gradient with
-    respect to a replicated parameter and to the sharded batch of odeint with forward
-    sensitivities (adjoint="forward"), and forward mode itself (jax.jacfwd in the
-    replicated parameter, jax.jvp in the batch), equal those without shard_map (1e-10).
-    (The interpolating adjoint and "forward_adaptive": the slow test below.)"""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_forward")
-    assert len(cases) == 3 + 2
     _check(cases)
 
 
@@ -161,17 +165,6 @@ def test_other_adjoints_under_shard_map(name, count):
     adjoint="forward_adaptive"."""
     _, cases = _matrix("--replicated", "--solvers", name)
     assert len(cases) == count
-    _check(cases)
-
-
-def test_odeint_events_and_dense_output_under_shard_map():
-    """Under shard_map (check_vma) with vmap, float64: terminal events (the event time
-    and state, dopri5 with the discrete and interpolating adjoints, kvaerno5),
-    non-terminal events and dense output (info.solution.evaluate): values and gradients
-    (replicated parameter, sharded batch) equal those without shard_map (1e-10). Here a
-    terminal event (dopri5, discrete adjoint); the others: the slow test below."""
-    _, cases = _matrix("--replicated", "--solvers", "odeint_event")
-    assert len(cases) == 3
     _check(cases)
 
 
