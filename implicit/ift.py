@@ -48,7 +48,11 @@ def custom_root(
       residual: ``residual(x, *args)``, returning a pytree shaped like ``x``.
       linear_solver: how the adjoint system is solved: ``"gmres"`` (default),
         ``"bicgstab"``, ``"cg"``, ``"dense"``, ``"neumann"``, ``"jfb"`` or a callable
-        ``(matvec, b) -> x`` (see :mod:`implicit.linear`).
+        ``(matvec, b) -> x`` (see :mod:`implicit.linear`). The callable may close over
+        values computed from the differentiated inputs (a factorisation of a matrix
+        argument): they are closure-converted at the call, as ``jax.lax.custom_root``
+        does, and its solve is then applied to the residual's Jacobian (transposed for
+        the adjoint) rebuilt at the solution.
       has_aux: the solver returns ``(x, aux)``; ``aux`` is passed through undifferentiated.
       rule: ``"vjp"`` (a ``jax.custom_vjp`` rule: reverse mode, any order) or ``"jvp"``
         (a ``jax.custom_jvp`` rule with a transposable tangent solve: ``jax.jvp``,
@@ -173,6 +177,8 @@ def _implicit_solve(
     x_like = _sharding.like_output(lambda *a: without_p(solver(*a)), x0, args, has_aux)
     residual_fn, residual_consts = jax.closure_convert(residual, x_like, *args)
     solver_fn, solver_consts = jax.closure_convert(solver, x0, *args)
+    linear_solver, lin_consts = _hoisted(linear_solver, residual_fn, x_like, args,
+                                         residual_consts)
     _checks.check_like(jax.eval_shape(residual, x0, *args), x0, "residual(x0, *args)", "x0")
 
     dtype = jnp.result_type(*jax.tree.leaves(x0))
@@ -205,7 +211,7 @@ def _implicit_solve(
         # The output is (out, P): fwd calls the rule's own primal (so a second derivative
         # does not differentiate the solver), and P is one of its results.
         @jax.custom_vjp
-        def solve_p(x0, args, residual_consts, solver_consts, tol):
+        def solve_p(x0, args, residual_consts, solver_consts, tol, lin_consts):
             out, p = run_solver(x0, args, solver_consts)
             # The preconditioner only speeds the solve up: a constant.
             return out, jax.tree.map(jax.lax.stop_gradient, p)
@@ -213,30 +219,32 @@ def _implicit_solve(
         def solve(*primals):
             return solve_p(*primals)[0]
 
-        def solve_fwd(x0, args, residual_consts, solver_consts, tol):
-            out, p = solve_p(x0, args, residual_consts, solver_consts, tol)
-            return (out, p), (split(out)[0], args, residual_consts, tol, p)
+        def solve_fwd(x0, args, residual_consts, solver_consts, tol, lin_consts):
+            out, p = solve_p(x0, args, residual_consts, solver_consts, tol, lin_consts)
+            return (out, p), (split(out)[0], args, residual_consts, tol, p, lin_consts)
 
         def solve_bwd(saved, g):
-            x, args, consts, tol, p = saved
-            args_bar, consts_bar = _vjp_bwd(config, x, args, consts, tol, p, split(g[0])[0])
-            return None, args_bar, consts_bar, None, None
+            x, args, consts, tol, p, lin_consts = saved
+            args_bar, consts_bar = _vjp_bwd(config, x, args, consts, tol, p, split(g[0])[0],
+                                            lin_consts)
+            return None, args_bar, consts_bar, None, None, None
 
         solve_p.defvjp(solve_fwd, solve_bwd)
 
     else:
 
         @jax.custom_jvp
-        def solve(x0, args, residual_consts, solver_consts, tol):
+        def solve(x0, args, residual_consts, solver_consts, tol, lin_consts):
             return run_solver(x0, args, solver_consts)[0]
 
         @solve.defjvp
         def solve_jvp(primals, tangents):
-            x0, args, consts, solver_consts, tol = primals
-            _, args_dot, consts_dot, _, _ = tangents
+            x0, args, consts, solver_consts, tol, lin_consts = primals
+            _, args_dot, consts_dot, _, _, _ = tangents
             out = solve(*primals)
             x, aux = split(out)
-            x_dot = _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol)
+            x_dot = _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol,
+                                 lin_consts)
             if has_aux:
                 # (zeros typed like their primals: under shard_map they vary alike)
                 return out, (x_dot, jax.custom_derivatives.zero_from_primal(aux))
@@ -245,7 +253,58 @@ def _implicit_solve(
     # shard_map: tolerances typed to vary with the problem (an implicit cast inserted at
     # the call would meet already varying values when the rule is lowered under vmap).
     tol = _sharding.vary_like(tol, (x_like, args))
-    return solve(x0, args, residual_consts, solver_consts, tol)
+    return solve(x0, args, residual_consts, solver_consts, tol, lin_consts)
+
+
+class _Hoisted(NamedTuple):
+    """A ``linear_solver`` callable that closes over traced values (a factor computed
+    from the differentiated inputs), closure-converted at the forward call, as
+    ``jax.lax.custom_root`` does: the adjoint solve ``Aᵀ w = b`` and the tangent solve
+    ``A w = b`` (``A`` the residual's Jacobian at ``x``), each the callable applied to
+    that operator, as functions of ``(b, x, args, consts, *hoisted)``; the hoisted values
+    reach the rules as inputs (no cotangent), never as a tracer of a finished trace."""
+
+    adjoint: Callable
+    tangent: Callable
+    num_adjoint: int  # the hoisted values: the adjoint's, then the tangent's
+
+    #: How the engine's failure message names it.
+    description = "linear_solver=<callable>"
+
+    def bound(self, x, args, consts, lin_consts, *, adjoint):
+        """``(solve, transpose_solve)`` callables ``(matvec, b) -> w`` (the operator
+        rebuilt at ``x``): the adjoint solve and its transpose (the tangent solve) for
+        the vjp rule's adjoint (``adjoint=True``), the other way round for the jvp rule."""
+        a, t = lin_consts[: self.num_adjoint], lin_consts[self.num_adjoint:]
+        adjoint_solve = lambda _, b: self.adjoint(b, x, args, consts, *a)  # noqa: E731
+        tangent_solve = lambda _, b: self.tangent(b, x, args, consts, *t)  # noqa: E731
+        return ((adjoint_solve, tangent_solve) if adjoint
+                else (tangent_solve, adjoint_solve))
+
+
+def _hoisted(linear_solver, residual_fn, x_like, args, consts):
+    """``(linear_solver, ())``, or, for a callable closing over traced values,
+    ``(_Hoisted, hoisted values)``. (Finding them costs a trace of the adjoint solve: a
+    callable that declares ``closes_over_traced_values = False``, such as root's
+    ``jac_sparsity`` solve, skips it.)"""
+    if not callable(linear_solver) or not getattr(linear_solver, "closes_over_traced_values",
+                                                  True):
+        return linear_solver, ()
+
+    def adjoint(b, x, args, consts):
+        _, vjp_x = jax.vjp(lambda y: residual_fn(y, *args, *consts), x)
+        return linear_solver(lambda v: vjp_x(v)[0], b)
+
+    def tangent(b, x, args, consts):
+        _, matvec = jax.linearize(lambda y: residual_fn(y, *args, *consts), x)
+        return linear_solver(matvec, b)
+
+    adjoint_fn, adjoint_consts = jax.closure_convert(adjoint, x_like, x_like, args, consts)
+    if not adjoint_consts:
+        return linear_solver, ()
+    tangent_fn, tangent_consts = jax.closure_convert(tangent, x_like, x_like, args, consts)
+    return (_Hoisted(adjoint_fn, tangent_fn, len(adjoint_consts)),
+            tuple(adjoint_consts) + tuple(tangent_consts))
 
 
 class _RuleConfig(NamedTuple):
@@ -263,15 +322,21 @@ class _RuleConfig(NamedTuple):
     has_aux: bool
 
 
-def _linear_solve(config, matvec, b, tol, check=True, p=None, role="adjoint"):
+def _linear_solve(config, matvec, b, tol, check=True, p=None, role="adjoint", operands=None):
+    """Solve ``matvec(w) = b`` with the configured linear solver, checked. ``operands``:
+    ``(x, args, consts, lin_consts)``, where ``matvec`` and the solve of its transpose
+    come from there for a :class:`_Hoisted` callable (``role`` says which is which)."""
     linear_solver, steps, on_failure = config.linear_solver, config.steps, config.on_failure
-    method, kind = linear_solver, linear_solver
+    method, kind, transpose = linear_solver, linear_solver, None
+    if isinstance(linear_solver, _Hoisted):
+        method, transpose = linear_solver.bound(*operands, adjoint=role == "adjoint")
     # The solver's approximate inverse: refined, else linear_solver (not for "jfb",
     # an approximation by design, nor "diagonal", checked elementwise).
     if p is not None and linear_solver not in ("jfb", "diagonal"):
-        method = linear.refined(p, linear_solver, rtol=tol[0], atol=tol[1], max_steps=steps)
+        method = linear.refined(p, method, rtol=tol[0], atol=tol[1], max_steps=steps)
         kind = "gmres"  # (checked by its residual, as an iterative solve is)
-    x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps)
+    x = linear.solve(method, matvec, b, rtol=tol[0], atol=tol[1], max_steps=steps,
+                     transpose_solver=transpose)
     if on_failure == "ignore" or not check:
         return x
     # (a NaN or inf right-hand side, an upstream NaN cotangent, passes: see converged)
@@ -290,16 +355,17 @@ def _linear_solve(config, matvec, b, tol, check=True, p=None, role="adjoint"):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _vjp_bwd(config, x, args, consts, tol, p, g_x):
+def _vjp_bwd(config, x, args, consts, tol, p, g_x, lin_consts=()):
     """rule='vjp': the cotangents of ``args`` and of the residual's constants."""
     _, vjp_x = jax.vjp(lambda y: config.residual_fn(y, *args, *consts), x)
-    w = _linear_solve(config, lambda v: vjp_x(v)[0], g_x, tol, p=p)
+    w = _linear_solve(config, lambda v: vjp_x(v)[0], g_x, tol, p=p,
+                      operands=(x, args, consts, lin_consts))
     _, vjp_params = jax.vjp(lambda a, c: config.residual_fn(x, *a, *c), args, consts)
     return vjp_params(jax.tree.map(jnp.negative, w))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol):
+def _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol, lin_consts=()):
     """rule='jvp': the solution's tangent."""
     _, rhs = jax.jvp(
         lambda a, c: config.residual_fn(x, *a, *c), (args, consts), (args_dot, consts_dot)
@@ -312,14 +378,16 @@ def _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol):
     # mode's cotangents, which a select would zero). A singular system otherwise gave
     # finite garbage (1e16 from a dense LU, 1e50 from BiCGSTAB) for jax.jacfwd and
     # jax.grad alike.
-    x_dot = _linear_solve(config, matvec, jax.tree.map(jnp.negative, rhs), tol, check=False)
+    operands = (x, args, consts, lin_consts)
+    x_dot = _linear_solve(config, matvec, jax.tree.map(jnp.negative, rhs), tol, check=False,
+                          role="tangent", operands=operands)
     if config.on_failure != "ignore":
         flat, unravel = ravel_pytree(x)
         # (cosines at incommensurate angles: no structure a singular matrix's range
         # would contain)
         ramp = jnp.arange(flat.size, dtype=flat.dtype)
         probe = _sharding.vary_like(unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5), x)
-        y = _linear_solve(config, matvec, probe, tol, role="tangent")
+        y = _linear_solve(config, matvec, probe, tol, role="tangent", operands=operands)
         scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
         x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
     return x_dot

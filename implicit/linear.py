@@ -237,7 +237,7 @@ _METHODS: dict[str, Callable] = {
 }
 
 
-def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
+def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None, transpose_solver=None):
     """Solve ``matvec(x) = b`` with the named method, differentiably.
 
     Args:
@@ -247,6 +247,9 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
       rtol, atol: relative and absolute tolerances on the residual norm.
       max_steps: cap on iterations of the iterative methods (default: ``10 * size``,
         at least 200).
+      transpose_solver: a callable ``(matvec, b) -> x`` for the transposed system, used
+        where the solve is transposed (reverse mode through it); by default
+        ``linear_solver`` with the transposed product.
 
     Returns:
       ``x`` with the structure of ``b``.
@@ -267,8 +270,10 @@ def solve(linear_solver, matvec, b, *, rtol, atol, max_steps=None):
         return ravel_pytree(matvec(unravel(v)))[0]
 
     raw = _flat_method(linear_solver, unravel, rtol, atol, max_steps, b_flat.size)
+    raw_t = raw if transpose_solver is None else _flat_method(
+        transpose_solver, unravel, rtol, atol, max_steps, b_flat.size)
     x_flat = jax.lax.custom_linear_solve(
-        matvec_flat, b_flat, solve=raw, transpose_solve=raw, symmetric=linear_solver == "cg"
+        matvec_flat, b_flat, solve=raw, transpose_solve=raw_t, symmetric=linear_solver == "cg"
     )
     return unravel(x_flat)
 

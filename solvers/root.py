@@ -268,6 +268,9 @@ class _StructuredSolve:
     #: How the engine's failure message names it.
     description = ("jac_sparsity's structured solve; a pattern that misses nonzero entries "
                    "of the Jacobian makes it miss too")
+    #: Its blocks come from the products it is given alone (implicit.ift: no closure
+    #: conversion needed).
+    closes_over_traced_values = False
 
     def __init__(self, structure):
         self.structure = structure
