@@ -49,6 +49,12 @@ def check_linear_solver(linear_solver, rule: str = "vjp", extra=()) -> None:
         )
 
 
+def check_bool(value, name: str) -> None:
+    """A flag option (``has_aux``, ``line_search``, ...) must be True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be True or False, got {value!r:.80}")
+
+
 def check_positive(value, name: str, *, allow_none: bool = True) -> None:
     """A positive finite scalar tolerance (traced values are accepted unchecked)."""
     if value is None and allow_none:

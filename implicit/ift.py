@@ -101,8 +101,7 @@ def custom_root(
     _checks.check_choice(on_failure, "on_failure", _checks.ON_FAILURE)
     if max_steps is not None:
         _checks.check_max_steps(max_steps)
-    if not isinstance(preconditioner, bool):
-        raise TypeError(f"`preconditioner` must be True or False, got {preconditioner!r:.80}")
+    _checks.check_bool(preconditioner, "preconditioner")
 
     def decorator(solver):
         _checks.check_callable(solver, "solver")
@@ -267,9 +266,6 @@ class _Hoisted(NamedTuple):
     adjoint: Callable
     tangent: Callable
     num_adjoint: int  # the hoisted values: the adjoint's, then the tangent's
-
-    #: How the engine's failure message names it.
-    description = "linear_solver=<callable>"
 
     def bound(self, x, args, consts, lin_consts, *, adjoint):
         """``(solve, transpose_solve)`` callables ``(matvec, b) -> w`` (the operator

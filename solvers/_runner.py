@@ -374,11 +374,6 @@ def apply_failure_policy(x, info, *, solver, on_failure, check, max_steps, messa
 # --- has_aux: a user function that also returns auxiliary data -------------------------
 
 
-def check_has_aux(has_aux):
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be True or False, got {has_aux!r:.80}")
-
-
 def check_pair(out, fn_name):
     """``fn(x0, *args)`` (shapes) of a function with ``has_aux=True``: a pair."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -106,7 +106,7 @@ def fixed_point(
         raise ValueError(f"`damping` must be in (0, 1], got {damping}")
     _checks.check_max_steps(history_size, "history_size")
     _checks.check_positive(regularization, "regularization", allow_none=False)
-    _runner.check_has_aux(has_aux)
+    _checks.check_bool(has_aux, "has_aux")
     (f,), args = _checks.split_args((f,), args)
     x0 = _checks.as_floating(x0, "x0")
     # A concrete damping of 1 is no damping: the step is f(x) itself (None), one pass over

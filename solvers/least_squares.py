@@ -143,7 +143,7 @@ def least_squares(
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_positive(damping, "damping")
-    _runner.check_has_aux(has_aux)
+    _checks.check_bool(has_aux, "has_aux")
     if damping is not None and method != "levenberg-marquardt":
         raise ValueError(f"`damping` is Levenberg–Marquardt's initial damping: "
                          f"method={method!r} takes none, got damping={damping!r}")

@@ -133,7 +133,7 @@ def minimize(
         full_output=full_output, rule=rule, linear_solver=linear_solver,
     )
     name = _check_method(method)
-    _runner.check_has_aux(has_aux)
+    _checks.check_bool(has_aux, "has_aux")
     _checks.check_max_steps(history_size, "history_size")
     (fun,), args = _checks.split_args((fun,), args)
     # JAX's dtype rules for NumPy parameters too (float64 is float32 without x64, also
@@ -192,10 +192,8 @@ def auto_linear_solver(x0, on_failure, bounded=False):
 
 
 def check_scalar_output(out, fn_name, has_aux):
-    """``fun(x0, *args)`` (shapes) must be a real scalar, or ``(scalar, aux)``."""
-    if has_aux:
-        _runner.check_pair(out, fn_name)
-        out = out[0]
+    """``fun(x0, *args)``'s value (shapes; with ``has_aux``, the pair's first, already
+    checked by :func:`solvers._runner.main_output`) must be a real scalar."""
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
         hint = "; pass has_aux=True if it returns (value, aux)" if not has_aux else ""
         raise ValueError(
@@ -229,11 +227,8 @@ def _solve(
     solver,
     check,
 ):
-    check_scalar_output(_checks.call_shape(fun, "fun", x0, *args), "fun", has_aux)
-
-    def value(x, *args):
-        out = fun(x, *args)
-        return out[0] if has_aux else out
+    value, out = _runner.main_output(fun, "fun", x0, args, has_aux)
+    check_scalar_output(out, "fun", has_aux)
 
     def body(x0, args):
         x0_flat, unravel = ravel_pytree(x0)

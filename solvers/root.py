@@ -202,10 +202,9 @@ def root(
     )
     _checks.check_choice(method, "method", METHODS)
     _checks.check_choice(jacobian, "jacobian", JACOBIANS)
-    if not isinstance(line_search, bool):
-        raise TypeError(f"`line_search` must be True or False, got {line_search!r:.80}")
+    _checks.check_bool(line_search, "line_search")
     _checks.check_max_steps(history_size, "history_size")
-    _runner.check_has_aux(has_aux)
+    _checks.check_bool(has_aux, "has_aux")
     (F,), args = _checks.split_args((F,), args)
     x0 = _checks.as_floating(x0, "x0")
     size = sum(leaf.size for leaf in jax.tree.leaves(x0))
