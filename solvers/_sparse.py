@@ -109,6 +109,9 @@ def _pattern(jac_sparsity, n, name):
     """The validated boolean ``(n, n)`` pattern (NumPy), symmetrised, diagonal added."""
     import scipy.sparse as sp
 
+    if isinstance(jac_sparsity, str):
+        raise ValueError(f"`{name}` must be 'auto', an int (a band half-width) or a boolean "
+                         f"(n, n) array, got {jac_sparsity!r}")
     if isinstance(jac_sparsity, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be an int (a band half-width) or a boolean (n, n) "
                         f"array, got {jac_sparsity!r}")

@@ -166,7 +166,11 @@ def root(
       jac_sparsity: ``method="newton"`` only: the structure of the Jacobian, like
         ``scipy.integrate.solve_ivp``'s ``jac_sparsity``: a boolean ``(n, n)`` NumPy array
         or SciPy sparse matrix (True where an entry may be nonzero; ``n`` the size of the
-        raveled ``x``) or an int ``w`` (the band ``|i - j| <= w``). The Jacobian is then
+        raveled ``x``), an int ``w`` (the band ``|i - j| <= w``), or ``"auto"``: read from
+        ``F``'s jaxpr at trace time (every entry ``F`` could make nonzero, for any ``x``
+        and ``args``: both branches of a ``where``, the zeros of a constant matrix kept;
+        loops and other primitives it does not follow count as dense, and a pattern left
+        mostly dense by them is an error naming them). The Jacobian is then
         computed by one ``jvp`` per colour of a greedy column colouring of the pattern, stored
         block tridiagonal after a reverse Cuthill–McKee reordering and factored by block cyclic
         reduction or block LU (pivoting within blocks only: for block diagonally dominant or
@@ -217,6 +221,11 @@ def root(
                              f"`jacobian` at 'auto', got jacobian={jacobian!r}")
         from solvers._sparse import structure as _structure
 
+        if isinstance(jac_sparsity, str) and jac_sparsity == "auto":
+            from solvers._sparsity import jacobian_pattern
+
+            main = (lambda x, *a: F(x, *a)[0]) if has_aux else F
+            jac_sparsity = jacobian_pattern(main, x0, *args)
         structure = _structure(jac_sparsity, size, "jac_sparsity")
         jacobian = "sparse"
         if linear_solver == "auto":

@@ -261,10 +261,14 @@ def odeint(
       jac_sparsity: the structure of the Jacobian ``∂f/∂y`` of a stiff method
         (``"bdf"``, ``"kvaerno5"``), like ``scipy.integrate.solve_ivp``'s: a boolean
         ``(n, n)`` NumPy array or SciPy sparse matrix (True where an entry may be nonzero;
-        ``n`` the size of the raveled state, in ``ravel_pytree`` order) or an int ``w``
-        (the band ``|i - j| <= w``). The Jacobian is then computed by one ``jvp`` per
-        colour of a greedy column colouring of the pattern, kept in block-tridiagonal
-        form after a reverse Cuthill–McKee reordering, and ``I - cJ`` is factored by block
+        ``n`` the size of the raveled state, in ``ravel_pytree`` order), an int ``w``
+        (the band ``|i - j| <= w``), or ``"auto"``: read from ``f``'s jaxpr when the
+        solver is traced (every entry ``f`` could make nonzero at any state, time and
+        ``args``; what it does not follow, such as loops, counts as dense, and a pattern
+        left mostly dense by it is an error naming it). The Jacobian is then computed by
+        one ``jvp`` per colour of a greedy column colouring of the pattern, kept in
+        block-tridiagonal form after a reverse Cuthill–McKee reordering, and ``I - cJ`` is
+        factored by block
         cyclic reduction (blocks of up to 16) or block LU (wider bands): work and memory
         grow linearly with ``n`` for a fixed band (``n x B`` numbers, ``B`` the reordered
         band's half-width, at least 4). Both pivot within blocks only (stable for block
@@ -376,6 +380,11 @@ def odeint(
         from solvers._sparse import structure as _structure
 
         size = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(y0))
+        if isinstance(jac_sparsity, str) and jac_sparsity == "auto":
+            from solvers._sparsity import jacobian_pattern
+
+            t = jax.ShapeDtypeStruct((), jnp.result_type(*jax.tree.leaves(y0)))
+            jac_sparsity = jacobian_pattern(f, y0, t, *args)
         structure = _structure(jac_sparsity, size, "jac_sparsity")
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
