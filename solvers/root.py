@@ -294,6 +294,18 @@ class _StructuredSolve:
 def newton(F, x0, *args, **options):
     """Newton's method with line search: :func:`root` with ``method="newton"``.
 
+    Args:
+      F: the function ``F(x, *args)`` whose root is sought, a pytree shaped like ``x``.
+      x0: initial guess (a pytree of arrays); receives a zero gradient.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays are held fixed.
+      **options: every keyword option of :func:`root` but ``method`` (``rtol``,
+        ``atol``, ``max_steps``, ``line_search``, ``jac_sparsity``, ``rule``,
+        ``linear_solver``, ``on_failure``, ``full_output``, ``has_aux``, ...).
+
+    Returns:
+      The root ``x*`` (structure of ``x0``), as :func:`root` returns it.
+
     Example:
       >>> import jax.numpy as jnp, solvers
       >>> F = lambda x, A, b: A @ x + x ** 3 - b
