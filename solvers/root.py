@@ -57,7 +57,7 @@ _ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
 _MAX_BACKTRACKS = 20
 #: Non-monotone line search: a full step is accepted when it lowers |F| below its largest
 #: value over this many accepted iterates (Grippo, Lampariello & Lucidi), so that Newton's
-#: full steps may cross a ridge of |F| (measured: see the changelog).
+#: full steps may cross a ridge of |F| (measured: see DEVELOPMENT.md).
 _WINDOW = 10
 #: The step bound's start: this times |x0| (MINPACK's ``factor``).
 _FACTOR = 100.0
