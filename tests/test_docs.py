@@ -184,3 +184,18 @@ def test_api_reference_is_complete(package):
         f"docs/api: add a line '::: {package}.NAME' for each of {missing} "
         f"(names in {package}.__all__)"
     )
+
+
+def test_citation_version_is_the_package_version():
+    """CITATION.cff and the home page's BibTeX entry cite the version in pyproject.toml."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    citation = (ROOT / "CITATION.cff").read_text(encoding="utf-8")
+    assert re.search(rf'^version: "{re.escape(version)}"$', citation, flags=re.M), (
+        f"CITATION.cff: set version to {version!r} (pyproject.toml)"
+    )
+    home = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    assert re.search(rf"version = \{{{re.escape(version)}\}}", home), (
+        f"docs/index.md's Citing entry: set version to {{{version}}} (pyproject.toml)"
+    )
