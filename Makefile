@@ -42,14 +42,17 @@ test-gpu-defaults: $(STAMP)
 bench: $(VENV)/.bench
 	MPLBACKEND=Agg $(PY) -m benchmarks
 
+# The notebooks are shown with their outputs: tools/execute_notebooks.py first runs the
+# notebook tests of those whose executed copy (build/notebooks/) is missing or stale
+# (none after `make test`, so CI pays nothing extra).
 docs: $(STAMP)
+	$(PY) tools/execute_notebooks.py -n $(PYTEST_WORKERS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 	@echo "documentation site written to site/"
 
 # Not part of CI: build the site, serve it on localhost and check it in headless
 # Chromium (Debian's `chromium`, installed here if missing) driven by Playwright.
-# Notebook pages show outputs once `make test` (tests/test_notebooks.py) has run them;
-# docs_check.py runs the notebook tests first where their executed copies are missing.
+# docs_check.py, like `make docs`, first executes the notebooks whose copies are stale.
 docs-check: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,docs,docs-check]"
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)

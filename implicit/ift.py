@@ -137,6 +137,16 @@ def custom_fixed_point(mapping, **options):
     ``w <- ḡ + (∂mapping/∂x)ᵀ w``; with ``"jfb"`` it is Jacobian-free backpropagation.
     Takes the same keyword options as :func:`custom_root`.
 
+    Args:
+      mapping: ``mapping(x, *args)``, returning a pytree shaped like ``x``, whose fixed
+        point the decorated solver returns.
+      **options: the keyword options of :func:`custom_root` (``linear_solver``,
+        ``has_aux``, ``rule``, ``rtol``, ``atol``, ``max_steps``, ``on_failure``,
+        ``preconditioner``).
+
+    Returns:
+      A decorator turning ``solver`` into ``solver(x0, *args)`` with implicit derivatives.
+
     Example:
       >>> import jax
       >>> from implicit import custom_fixed_point

@@ -142,6 +142,28 @@ def chandrupatla(
     so it needs a handful of steps where bisection needs dozens. Returns the bracket end
     with the smaller ``|F|``.
 
+    Args:
+      F: elementwise scalar function ``F(x, *args)`` returning an array shaped like ``x``.
+      lower, upper: the bracket ends (broadcast together; either order), where ``F``
+        differs in sign (or is zero).
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays are held fixed.
+      expand: widen a bracket without a sign change before solving, as
+        :func:`bisection` does.
+      rtol, atol: tolerances on the bracket width (defaults follow the dtype, as in
+        :func:`bisection`).
+      max_steps: iteration cap.
+      rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
+      linear_solver: adjoint linear solver; ``"auto"`` (default) is the exact
+        elementwise ``b / (∂F/∂x)``.
+      on_failure: ``"raise"``, ``"nan"`` or ``"ignore"``.
+      full_output: also return an elementwise :class:`solvers.Info` (as
+        :func:`bisection`).
+      check_every: steps per convergence test (``None``: 1 on CPU, 4 on GPU/TPU).
+
+    Returns:
+      The roots (shape of the broadcast inputs), or ``(roots, info)``.
+
     Example:
       >>> import jax, jax.numpy as jnp, solvers
       >>> cube_root = lambda a: solvers.chandrupatla(lambda x, a: x ** 3 - a, 0.0, 10.0, a)

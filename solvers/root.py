@@ -57,7 +57,7 @@ _ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
 _MAX_BACKTRACKS = 20
 #: Non-monotone line search: a full step is accepted when it lowers |F| below its largest
 #: value over this many accepted iterates (Grippo, Lampariello & Lucidi), so that Newton's
-#: full steps may cross a ridge of |F| (measured: see the changelog).
+#: full steps may cross a ridge of |F| (measured: see DEVELOPMENT.md).
 _WINDOW = 10
 #: The step bound's start: this times |x0| (MINPACK's ``factor``).
 _FACTOR = 100.0
@@ -302,6 +302,18 @@ class _StructuredSolve:
 
 def newton(F, x0, *args, **options):
     """Newton's method with line search: :func:`root` with ``method="newton"``.
+
+    Args:
+      F: the function ``F(x, *args)`` whose root is sought, a pytree shaped like ``x``.
+      x0: initial guess (a pytree of arrays); receives a zero gradient.
+      *args: parameters (pytrees of arrays), differentiated; leaves that are not
+        arrays are held fixed.
+      **options: every keyword option of :func:`root` but ``method`` (``rtol``,
+        ``atol``, ``max_steps``, ``line_search``, ``jac_sparsity``, ``rule``,
+        ``linear_solver``, ``on_failure``, ``full_output``, ``has_aux``, ...).
+
+    Returns:
+      The root ``x*`` (structure of ``x0``), as :func:`root` returns it.
 
     Example:
       >>> import jax.numpy as jnp, solvers

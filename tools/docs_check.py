@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from mkdocs_hooks import SOURCE_DIR, notebook_to_render  # noqa: E402
+import execute_notebooks  # noqa: E402
 
 SITE = ROOT / "site"
 OUT = ROOT / "site_check"
@@ -89,18 +89,8 @@ def nav_pages():
 
 
 def ensure_executed_notebooks():
-    stale = [p.name for p in sorted(SOURCE_DIR.glob("*.ipynb")) if not notebook_to_render(p)[1]]
-    if not stale:
-        print("notebooks: executed copies in build/notebooks are up to date")
-        return
-    print(f"notebooks: executing {stale} (tests/test_notebooks.py) for their figures")
-    subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
-         "tests/test_notebooks.py", "-k", "executes"],
-        cwd=ROOT,
-        check=True,
-        env=dict(os.environ, MPLBACKEND="Agg"),
-    )
+    if execute_notebooks.main(["-n", "1"]) != 0:
+        raise SystemExit("the notebook tests failed")
 
 
 def build():

@@ -8,6 +8,10 @@ The docstrings are Google style with two habits that the Google parser does not 
 - one ``Args:`` entry for two parameters (``rtol, atol: tolerances ...``): read as one
   entry per parameter with the same text, so that every entry still has to name a real
   parameter (griffe warns otherwise, and ``mkdocs build --strict`` fails).
+
+And one habit of the code: a default given by a module constant (``max_steps=
+DEFAULT_MAX_STEPS``) is shown as the constant's value (``max_steps=10000``), which is
+what a reader of the signature wants to know.
 """
 
 from __future__ import annotations
@@ -54,7 +58,28 @@ def rewrite(docstring: str) -> str:
     return "\n".join(out)
 
 
+def constant_value(function, default):
+    """The literal value of the module constant ``default`` names, else None."""
+    if not isinstance(default, griffe.ExprName):
+        return None
+    member = function.parent.members.get(default.name) if function.parent else None
+    if member is None or member.is_alias or not member.is_attribute:
+        return None
+    value = member.value
+    if not isinstance(value, str):
+        return None
+    if re.fullmatch(r"[-+]?[\d_.eE]+", value):
+        return value.replace("_", "")
+    return value if re.fullmatch(r"'[^']*'|\"[^\"]*\"", value) else None
+
+
 class ProjectDocstrings(griffe.Extension):
     def on_instance(self, *, obj, **kwargs) -> None:
         if obj.docstring is not None:
             obj.docstring.value = rewrite(obj.docstring.value)
+
+    def on_function_instance(self, *, func, **kwargs) -> None:
+        for parameter in func.parameters:
+            value = constant_value(func, parameter.default)
+            if value is not None:
+                parameter.default = value

@@ -10,19 +10,27 @@ source itself (code and text, no outputs).
 The notebooks' formulas are typeset by MathJax 2, which this hook copies from the
 ``jupyter-server-mathjax`` package (the docs extra) into ``assets/mathjax/`` of the site:
 the pages load it from there, never from a CDN.
+
+A notebook page's table of contents is rebuilt from the headings of its rendered HTML:
+mkdocs-jupyter builds it from a Markdown copy of the notebook with every inline code span
+removed, so a heading such as "Custom JVPs with `jax.custom_jvp`" lost its code in the
+table of contents and its link pointed to an anchor the page does not have.
 """
 
 from __future__ import annotations
 
 import hashlib
+import html
 import importlib.util
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
+from mkdocs.structure.toc import get_toc
 
 log = logging.getLogger("mkdocs.hooks.notebooks")
 
@@ -75,6 +83,35 @@ def on_files(files, config):
             )
         )
     return files
+
+
+_HEADING = re.compile(r'<h([1-6])\s+id="([^"]+)"[^>]*>(.*?)</h\1>', re.DOTALL)
+_ANCHOR_LINK = re.compile(r'<a class="anchor-link"[^>]*>.*?</a>', re.DOTALL)
+_TAG = re.compile(r"<[^>]+>")
+
+
+def notebook_toc_tokens(content: str) -> list[dict]:
+    """Table-of-contents tokens (as Python-Markdown's toc extension makes them, nested by
+    level) for the headings of a rendered notebook, with the ids the headings carry."""
+    flat = []
+    for level, anchor, inner in _HEADING.findall(content):
+        text = html.unescape(_TAG.sub("", _ANCHOR_LINK.sub("", inner))).strip()
+        flat.append({"level": int(level), "id": anchor, "name": html.escape(text),
+                     "children": []})
+    tokens: list[dict] = []
+    stack: list[dict] = []
+    for token in flat:
+        while stack and stack[-1]["level"] >= token["level"]:
+            stack.pop()
+        (stack[-1]["children"] if stack else tokens).append(token)
+        stack.append(token)
+    return tokens
+
+
+def on_page_content(html_content, page, config, files):
+    if page.file.src_uri.startswith("notebooks/") and page.file.src_uri.endswith(".ipynb"):
+        page.toc = get_toc(notebook_toc_tokens(html_content))
+    return html_content
 
 
 def on_post_build(config):
