@@ -352,6 +352,8 @@ def bratu_table():
     makers = [
         ("ours newton, jac_sparsity (colouring, block LU)", OURS, lambda lam: solvers.root(
             F, jnp.zeros(n), lam, jac_sparsity=pattern, rtol=tol, atol=tol)),
+        ("ours newton, jac_sparsity='auto' (read from F)", OURS, lambda lam: solvers.root(
+            F, jnp.zeros(n), lam, jac_sparsity="auto", rtol=tol, atol=tol)),
         ("ours newton (matrix-free, GMRES)", OURS, lambda lam: solvers.root(
             F, jnp.zeros(n), lam, rtol=tol, atol=tol, on_failure="nan")),
         ("optimistix Newton (lx.GMRES)", "peer", optx_solve),
