@@ -3,7 +3,8 @@ activation function as a leaf beside its weights, and diffrax takes such a modul
 ``args``. Every solver binds those settings into the function (``_checks.split_args``) and
 traces the arrays alone: the values and gradients are those of the same solve with the
 setting closed over, and a later call with an equal setting reuses the compiled solver.
-(Equinox is not a test dependency: a dict of arrays and a function is the same pytree.)
+(A dict of arrays and a function is the same pytree; real Equinox and Flax NNX modules:
+tests/test_interop.py.)
 """
 
 import jax
