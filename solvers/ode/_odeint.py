@@ -281,6 +281,20 @@ def odeint(
         a singular block gives a failed step, retried smaller. A pattern that misses a
         nonzero of the Jacobian gives a wrong Jacobian (slower or failed Newton
         iterations), as in SciPy. ``None`` (default): dense Jacobians and LU.
+      mass: ``method="bdf"`` only: a constant ``(n, n)`` mass matrix ``M`` over the raveled
+        state (concrete: NumPy, or a JAX array outside ``jit``), possibly singular: the
+        integration is then of ``M y' = f(y, t, *args)``, an index-1 DAE (the rows of
+        ``M``'s left null space are the algebraic equations, its right null space the
+        algebraic variables). ``y0`` must be consistent (or pass ``init``); a start where
+        the algebraic equations' Jacobian with respect to the algebraic variables is
+        singular (index 2 or more) fails by ``on_failure``, status ``singular``. Newton
+        matrices ``M - cJ``; with ``jac_sparsity`` ``M`` must be diagonal. Differentiated
+        by ``adjoint="discrete"`` or ``"forward_adaptive"``; not with ``event`` or
+        ``dense`` (yet). docs/ode.md, DAEs.
+      init: ``None`` (default): ``y0`` as given; ``"consistent"`` (with ``mass``): the
+        algebraic part of ``y0`` solved for from its differential part (Newton's method
+        at ``ts[0]``; ``ys[0]`` is the corrected state, differentiated by the implicit
+        function theorem; no convergence: status ``stagnated``).
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
