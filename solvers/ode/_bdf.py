@@ -203,8 +203,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
             return jnp.asarray(mass.matrix, dtype)
         return jnp.eye(n, dtype=dtype)
 
-    def times_mass(v):
-        return v if mass is None else mass.times(v)
+    def corrector(f, c, psi, d):
+        """``c f - (ψ + d)``, or ``c f - M(ψ + d)`` (the ODE's own rounding kept)."""
+        if mass is None:
+            return c * f - psi - d
+        return c * f - mass.times(psi + d)
 
     def factorise(c, J):
         """The factors of ``I - cJ`` for Newton's solves (every leaf floating). Structured: the
@@ -313,7 +316,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = solve(lu, c * f - times_mass(psi_u + d))
+                dy = solve(lu, corrector(f, c, psi_u, d))
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -384,7 +387,10 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         d_star = sg(ks_star[-1] * h)
         y_star = sg(y_pred + d_star)
         J = sg(jac(y_star, t_new))
-        F = times_mass(d_star + psi) - c * rhs(y_pred + d_star, t_new)
+        if mass is None:
+            F = d_star - c * rhs(y_pred + d_star, t_new) + psi
+        else:
+            F = mass.times(d_star + psi) - c * rhs(y_pred + d_star, t_new)
         if structure is not None:
             x = structure.solve(block_factors(c, J), F)
         else:
