@@ -245,6 +245,16 @@ class Structure:
         B = blocks.shape[-1]
         return (-c * blocks).at[1].add(jnp.eye(B, dtype=blocks.dtype))
 
+    def diag_minus(self, diag, c, blocks):
+        """``D - c J`` in block form, ``D = diag(diag)`` (``diag`` a NumPy vector in the
+        original order: a diagonal mass matrix)."""
+        nb, B, n = self.num_blocks, self.block, self.n
+        d = np.ones(nb * B)
+        d[:n] = np.asarray(diag, np.float64)[self.perm]
+        eye = jnp.asarray(d.reshape(nb, B), blocks.dtype)[:, :, None] * jnp.eye(
+            B, dtype=blocks.dtype)
+        return (-c * blocks).at[1].add(eye)
+
     # --- factor and solve --------------------------------------------------------------
 
     def factor(self, blocks):

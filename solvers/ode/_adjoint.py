@@ -127,7 +127,8 @@ def _first_order_only_jvp(primals, tangents):
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
-               max_steps=None, progress=None, record=0, event=None, log=0, direction="both"):
+               max_steps=None, progress=None, record=0, event=None, log=0, direction="both",
+               slope=None):
     """A differentiable ``solve(z0, ts, theta, const, ctl, ev=((), ())) -> (zs, Stats)``.
 
     ``G(u, s, theta, const)`` returns the derivative of the whole state; ``theta`` is a
@@ -145,6 +146,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     output), with ``log=M`` the :class:`~solvers.ode._integrate.EventLog` of the
     non-terminal crossings of ``event(u, s, theta, const, ev_theta, ev_const) -> (E,)``
     in ``direction`` (``ev = (ev_theta, ev_const)``: the event function's own values).
+    ``slope(u, s, theta, const)``: the state's time derivative where it is not ``G`` (a
+    DAE's consistent slope), for the output times' cotangents (discrete adjoint only).
     """
 
     def run(z0, ts, theta, const, ctl, ev, checkpoint=None):
@@ -303,7 +306,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         if adjoint == "discrete":
             return (*_discrete_bwd(
                 make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
-                report=report,
+                report=report, slope=slope,
             ), None)
         if adjoint == "interpolate":
             return (*_interpolating_bwd(
@@ -480,7 +483,7 @@ def _diff_step(stepper):
     return diff_step
 
 
-def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
+def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope=None):
     """The discrete adjoint: the exact derivative of the computed outputs.
 
     The forward pass saved its loop carry (controller, state, cache) every ``window``
@@ -796,7 +799,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         inaccurate = (status == _integrate.NOT_FAILED) & ~(err <= GRADIENT_LIMIT * size)
         status = jnp.where(inaccurate, _status.GRADIENT_ERROR, status)
         t_fail = jnp.where(inaccurate, ts[0], t_fail)
-    rhs = lambda u, s: G(u, s, theta, const)  # noqa: E731
+    rhs = lambda u, s: (G if slope is None else slope)(u, s, theta, const)  # noqa: E731
     if on_failure == "nan":  # a failed forward pass: NaN gradients too
         status = jnp.where(forward_status != _integrate.NOT_FAILED, forward_status, status)
     z0_bar, ts_bar, theta_bar = _finish(

@@ -42,7 +42,7 @@ import numpy as np
 
 from implicit import _sharding
 from implicit import _lu
-from solvers.ode import _control, _small
+from solvers.ode import _control, _dae, _small
 
 __all__ = ["bdf_stepper", "MAX_ORDER", "NEWTON_MAXITER"]
 
@@ -150,7 +150,7 @@ for _i, _name in enumerate(_SCALARS):
     setattr(BDFCache, _name, property(lambda self, i=_i: self.scalars[i]))
 
 
-def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
+def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
     """The :class:`~solvers.ode._integrate.Stepper` of variable-order NDF (SciPy's BDF).
 
     ``structure``: a :class:`solvers._sparse.Structure` of the Jacobian (``jac_sparsity``):
@@ -158,6 +158,12 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     factored by block elimination (``J`` and ``lu`` in the cache: the compressed
     Jacobian and the factors);
     ``None``: dense (``jacfwd``; the inverse of ``I - cJ``, or its LU past 64 unknowns).
+
+    ``mass``: a :class:`solvers.ode._dae.Mass` (``odeint``'s ``mass=``, DAEs
+    ``M y' = f``): the corrector is then ``M(ψ + d) - c f(y_pred + d) = 0``, its Newton
+    matrix ``M - cJ`` (as ``ode15s`` with a mass matrix), and the first step starts from
+    the consistent slope (:func:`solvers.ode._dae.slope`). With a ``structure`` it must be
+    diagonal. ``None``: ``M = I``, the code of an ODE.
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
     ``n_ctrl`` are quadratures (``rhs`` does not read them): the corrector gives them
@@ -175,21 +181,40 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
 
     rms = _control.rms
 
+    def slope(u, t):
+        """The consistent slope of the DAE (``mass``): ``y'`` of the controlled part."""
+        return _dae.slope(mass, lambda v, s: rhs(v, s)[:n], u, t)
+
     def jac(u, t):
         if structure is not None:  # compressed, (colours, n): the cache keeps this form
             return structure.compressed(lambda v: rhs(v, t)[:n], u)
         return jax.jacfwd(lambda v: rhs(v, t)[:n])(u)
 
     def block_factors(c, J):
-        """The factors of ``I - cJ`` from the compressed ``J`` (with a structure)."""
+        """The factors of ``I - cJ`` (``M - cJ``) from the compressed ``J`` (with a
+        structure)."""
+        if mass is not None:
+            return structure.factor(structure.diag_minus(mass.diag, c, structure.scatter(J)))
         return structure.factor(structure.eye_minus(c, structure.scatter(J)))
+
+    def eye(dtype):
+        """``I``, or the mass matrix."""
+        if mass is not None:
+            return jnp.asarray(mass.matrix, dtype)
+        return jnp.eye(n, dtype=dtype)
+
+    def corrector(f, c, psi, d):
+        """``c f - (ψ + d)``, or ``c f - M(ψ + d)`` (the ODE's own rounding kept)."""
+        if mass is None:
+            return c * f - psi - d
+        return c * f - mass.times(psi + d)
 
     def factorise(c, J):
         """The factors of ``I - cJ`` for Newton's solves (every leaf floating). Structured: the
         elimination only (not the blocks of ``I - cJ``: Newton does not multiply by it)."""
         if structure is not None:
             return block_factors(c, J)[0]
-        return _lu.iteration_factor(jnp.eye(n, dtype=J.dtype) - c * J)
+        return _lu.iteration_factor(eye(J.dtype) - c * J)
 
     def solve(lu, b):
         if structure is not None:
@@ -202,6 +227,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     def init(s0, z0):
         dtype = z0.dtype
         f0 = rhs(z0[:n], s0)
+        if mass is not None:  # (the consistent slope: y' for the predictor of step one)
+            f0 = jnp.concatenate([slope(z0[:n], s0), f0[n:]])
         J = jax.lax.stop_gradient(jac(z0[:n], s0))
         D = _sharding.rows_like(z0, R).at[0].set(z0).at[1].set(f0)  # spaced at h = 1
         zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
@@ -289,7 +316,7 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
             def body(st):
                 it, y, d, old, _, _ = st
                 f = rhs(y, t_new)[:n]
-                dy = solve(lu, c * f - psi_u - d)
+                dy = solve(lu, corrector(f, c, psi_u, d))
                 dn = rms(dy, scale)
                 rate = dn / old
                 has = it > 0
@@ -360,11 +387,14 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
         d_star = sg(ks_star[-1] * h)
         y_star = sg(y_pred + d_star)
         J = sg(jac(y_star, t_new))
-        F = d_star - c * rhs(y_pred + d_star, t_new) + psi
+        if mass is None:
+            F = d_star - c * rhs(y_pred + d_star, t_new) + psi
+        else:
+            F = mass.times(d_star + psi) - c * rhs(y_pred + d_star, t_new)
         if structure is not None:
             x = structure.solve(block_factors(c, J), F)
         else:
-            x = _lu.solve(_lu.factor(jnp.eye(n, dtype=dtype) - c * J), F)
+            x = _lu.solve(_lu.factor(eye(dtype) - c * J), F)
         d = d_star - (x - sg(x))
         if eps is not None:  # a perturbation where the local error is made: the
             d = d + eps  # corrector, so that the history (D) sees it too
@@ -392,4 +422,5 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None):
     dense = np.vstack([np.eye(MAX_ORDER), np.zeros((1, MAX_ORDER))])  # (stages, degree)
     # order=2: the local error of the first (order-1) step goes as h², for the first step.
     return Stepper(init, step, dense, beta1=0.0, beta2=0.0, order=2, init_counts=(1, 1, 0),
-                   diff_step=diff_step, lands=False, control=control, history=True)
+                   diff_step=diff_step, lands=False, control=control, history=True,
+                   slope=None if mass is None else slope)

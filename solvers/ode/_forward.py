@@ -47,7 +47,7 @@ def _join(a, b):
 
 
 def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=None,
-               adaptive=False):
+               adaptive=False, slope=None):
     """A ``jax.custom_jvp`` ``solve(z0, ts, theta, const, ctl) -> (zs, Stats)``.
 
     ``stepper_of(theta, const, rtol, atol, order)`` builds the method's
@@ -68,6 +68,8 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
     function of the inputs. Forward mode through the loop (memory independent of the
     number of steps); the tangent is still ``S · ṗ``, so reverse mode works at first order.
     Non-finite sensitivities of a finite solution set the status ``nonfinite``.
+    ``slope(z, s, theta, const)``: the state's time derivative where it is not ``G`` (a
+    DAE's consistent slope), for the output times' tangents.
     """
 
     @jax.custom_jvp
@@ -138,7 +140,8 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
         p_dot = jnp.concatenate(parts)
         dzs = jnp.einsum("tdn,d->tn", S, p_dot, precision=_sharding.EXACT)
         if not _is_zero(dts):
-            f = jax.vmap(lambda z, t: G(z, t, theta, const))(zs, ts)
+            f = jax.vmap(lambda z, t: (G if slope is None else slope)(z, t, theta, const))(
+                zs, ts)
             # An output time that moves moves its output along f; a start that moves
             # shifts the whole solution: dy_k/dt_0 = -∂y_k/∂y_0 · f(y_0, t_0).
             dzs = dzs + f * dts[:, None]

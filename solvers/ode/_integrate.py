@@ -112,6 +112,10 @@ class Stepper(NamedTuple):
     # The cache carries the past steps (bdf's differences): a replayed block must then
     # take the forward's steps, or the cache it ends with is not the checkpoint's.
     history: bool = False
+    # ``slope(u, s) -> u'``: the derivative of the controlled components, for the first
+    # step's heuristic, where it is not ``rhs`` (a DAE's consistent slope, ``M y' = f``).
+    # None: ``rhs``.
+    slope: Any = None
 
 
 class Record(NamedTuple):
@@ -566,7 +570,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
     def auto_h(_):
         return _control.initial_step(
-            rhs_u, t0, z0[:n_ctrl], k0[:n_ctrl], first_span, rtol, atol, stepper.order
+            rhs_u if stepper.slope is None else stepper.slope, t0, z0[:n_ctrl], k0[:n_ctrl],
+            first_span, rtol, atol, stepper.order,
         )
 
     h = jax.lax.cond(

@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from implicit import _checks, _sharding
 from implicit._host import host_check
 from solvers import _runner, _status
-from solvers.ode import _adjoint, _events, _forward, _integrate, _tableaus
+from solvers.ode import _adjoint, _dae, _events, _forward, _integrate, _tableaus
 from solvers.ode._dense import ODESolution
 from solvers.ode._explicit import explicit_stepper
 
@@ -23,6 +23,9 @@ METHODS = ("dopri5", "tsit5", "kvaerno5", "bdf")
 STIFF_METHODS = ("kvaerno5", "bdf")
 ADJOINTS = ("discrete", "backsolve", "interpolate", "forward", "forward_adaptive")
 FORWARD_ADJOINTS = ("forward", "forward_adaptive")
+#: ``init=``: how ``y0`` is taken (``None``: as given; ``"consistent"``: the algebraic
+#: part of a DAE's ``y0`` solved for, from its differential part).
+INITS = ("consistent",)
 EVENT_DIRECTIONS = _events.DIRECTIONS
 DEFAULT_MAX_STEPS = 10_000
 #: The crossings a non-terminal event keeps by default (``max_events``).
@@ -110,6 +113,8 @@ def odeint(
     event_terminal=True,
     max_events=DEFAULT_MAX_EVENTS,
     jac_sparsity=None,
+    mass=None,
+    init=None,
 ):
     """Integrate ``dy/dt = f(y, t, *args)`` from ``y(ts[0]) = y0``; return ``y`` at every ``ts``.
 
@@ -276,6 +281,20 @@ def odeint(
         a singular block gives a failed step, retried smaller. A pattern that misses a
         nonzero of the Jacobian gives a wrong Jacobian (slower or failed Newton
         iterations), as in SciPy. ``None`` (default): dense Jacobians and LU.
+      mass: ``method="bdf"`` only: a constant ``(n, n)`` mass matrix ``M`` over the raveled
+        state (concrete: NumPy, or a JAX array outside ``jit``), possibly singular: the
+        integration is then of ``M y' = f(y, t, *args)``, an index-1 DAE (the rows of
+        ``M``'s left null space are the algebraic equations, its right null space the
+        algebraic variables). ``y0`` must be consistent (or pass ``init``); a start where
+        the algebraic equations' Jacobian with respect to the algebraic variables is
+        singular (index 2 or more) fails by ``on_failure``, status ``singular``. Newton
+        matrices ``M - cJ``; with ``jac_sparsity`` ``M`` must be diagonal. Differentiated
+        by ``adjoint="discrete"`` or ``"forward_adaptive"``; not with ``event`` or
+        ``dense`` (yet). docs/ode.md, DAEs.
+      init: ``None`` (default): ``y0`` as given; ``"consistent"`` (with ``mass``): the
+        algebraic part of ``y0`` solved for from its differential part (Newton's method
+        at ``ts[0]``; ``ys[0]`` is the corrected state, differentiated by the implicit
+        function theorem; no convergence: status ``stagnated``).
 
     Returns:
       ``ys``, with the structure of ``y0`` and a leading axis of ``len(ts)`` (``ys[0]`` is
@@ -386,6 +405,17 @@ def odeint(
             t = jax.ShapeDtypeStruct((), jnp.result_type(*jax.tree.leaves(y0)))
             jac_sparsity = jacobian_pattern(f, y0, t, *args)
         structure = _structure(jac_sparsity, size, "jac_sparsity")
+    size = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(y0))
+    mass = _dae.prepare_mass(mass, size, method)
+    if init is not None:
+        _checks.check_choice(init, "init", INITS)
+        if mass is None:
+            raise ValueError(
+                "init='consistent' solves a DAE's algebraic equations for y0 (a singular "
+                "mass matrix): it needs mass= (and method='bdf')"
+            )
+    if mass is not None:
+        _check_mass_options(mass, structure, adjoint, event, record)
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
     rtol, atol = _checks.tolerances(rtol, atol, dtype)
@@ -409,6 +439,8 @@ def odeint(
         window=int(adjoint_window),
         progress=progress,
         structure=structure,
+        mass=mass,
+        init=init,
         max_step=float("inf") if max_step is None else float(max_step),
         event=event,
         direction=event_direction,
@@ -417,7 +449,7 @@ def odeint(
         options=opts,
         solver=solver,
         fn=f,
-        message=_message(solver, opts.max_steps, event),
+        message=_message(solver, opts.max_steps, event, dae=mass is not None),
         forward_hint=(
             f"adjoint={adjoint!r} is reverse mode only (jax.grad, jax.vjp, jax.jacrev); "
             f"pass {FORWARD_HINTS.get(method, FORWARD_HINT)} for forward mode"
@@ -465,8 +497,30 @@ def _ravels_like(out, y0):
             and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves))
 
 
-def _make_stepper(method, max_step=float("inf"), structure=None):
+def _check_mass_options(mass, structure, adjoint, event, record):
+    """What ``mass=`` does not combine with (yet): ValueErrors naming it."""
+    if structure is not None and not mass.diagonal:
+        raise ValueError(
+            "mass= with jac_sparsity= needs a diagonal mass matrix (the usual "
+            "diag(1, ..., 1, 0, ..., 0) of a semi-explicit DAE); this one is not diagonal: "
+            "pass jac_sparsity=None (dense Newton matrices M - cJ), or reorder the "
+            "equations so that M is diagonal"
+        )
+    if adjoint in ("backsolve", "interpolate", "forward"):
+        raise ValueError(
+            f"mass= (DAEs) is differentiated by adjoint='discrete' (default) or "
+            f"'forward_adaptive', not adjoint={adjoint!r}"
+        )
+    if event is not None:
+        raise ValueError("mass= (DAEs) does not combine with event= yet")
+    if record:
+        raise ValueError("mass= (DAEs) does not combine with dense= yet")
+
+
+def _make_stepper(method, max_step=float("inf"), structure=None, mass=None):
     extra = {} if structure is None else {"structure": structure}
+    if mass is not None:
+        extra["mass"] = mass
     if method == "bdf":
         from solvers.ode._bdf import bdf_stepper
 
@@ -488,7 +542,8 @@ def _make_stepper(method, max_step=float("inf"), structure=None):
 
 @_runner.jit_solver
 def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, direction,
-           options, solver, check, progress=None, record=0, log=0, structure=None):
+           options, solver, check, progress=None, record=0, log=0, structure=None,
+           mass=None, init=None):
     on_failure, max_steps = options.on_failure, options.max_steps
     # shard_map: the state, the times and the arguments all vary as the problem does,
     # cast here, before f is traced and before they enter the adjoint's custom_vjp. The
@@ -516,6 +571,14 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
         dy = fn(unravel(u), s, *args, *consts)
         return ravel_pytree(dy)[0].astype(dtype)
 
+    slope = dae_ok = None
+    if mass is not None:
+        # (a DAE: y' is the consistent slope, not f; the start checked for index 1, and
+        # with init="consistent" its algebraic part solved for)
+        def slope(u, s, theta, const):
+            return _dae.slope(mass, lambda v, r: G(v, r, theta, const), u, s)
+
+        y0_flat, dae_ok = _dae_start(mass, init, G, y0_flat, ts[0], theta, const, tols)
     report = functools.partial(_report_backward, solver=solver, max_steps=max_steps,
                                discrete=adjoint == "discrete")
     # (built here, not in odeint: the static `progress` is then the user's own object,
@@ -523,7 +586,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     if progress is not None:
         progress = functools.partial(_notify, None if progress is True else progress)
     if adjoint in FORWARD_ADJOINTS:
-        make = _make_stepper(method, max_step, structure)
+        make = _make_stepper(method, max_step, structure, mass)
         n = y0_flat.size
 
         stiff = method == "kvaerno5"  # (its stage solves take a derivative order)
@@ -535,7 +598,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             return make(lambda u, s: G(u, s, theta, const), n, rtol=rtol, atol=atol, **extra)
 
         solve = _forward.make_solve(stepper_of, G, G, n, on_failure=on_failure,
-                                    progress=progress, adaptive=adjoint == "forward_adaptive")
+                                    progress=progress, adaptive=adjoint == "forward_adaptive",
+                                    slope=slope)
     else:
         E = ev_theta = ev_const = None
         if event is not None:
@@ -545,9 +609,9 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
 
         def make_solve(**kw):
             return _adjoint.make_solve(
-                _make_stepper(method, max_step, structure), G, y0_flat.size,
+                _make_stepper(method, max_step, structure, mass), G, y0_flat.size,
                 on_failure=on_failure, report=report, adjoint=adjoint, window=window,
-                max_steps=max_steps, **kw,
+                max_steps=max_steps, slope=slope, **kw,
             )
 
         solve = make_solve(
@@ -555,6 +619,8 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             direction=direction,
         )
     ctl = (*tols[:4], tols[4], jnp.asarray(max_steps, jnp.int32))
+    if dae_ok is not None:  # (a start that is not index 1: no steps)
+        ctl = ctl[:5] + (jnp.where(dae_ok[0] & dae_ok[1], ctl[5], 0),)
     # (shard_map: the tolerances, first step and budget vary as the state does too. A
     # branch taken by some elements only (a vmapped cond: the backward passes' step
     # size picks the first step afresh or not) casts every value it reads to vary
@@ -581,7 +647,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             )
     else:
         event_solve = _events.make_event_solve(
-            _make_stepper(method, max_step, structure), G, E, y0_flat.size, solve,
+            _make_stepper(method, max_step, structure, mass), G, E, y0_flat.size, solve,
             direction=direction, record=record,
         )
         out = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
@@ -594,6 +660,10 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
             event_index=jax.lax.stop_gradient(result.index),
         )
     stats = jax.tree.map(jax.lax.stop_gradient, stats)
+    if dae_ok is not None:
+        status = jnp.where(dae_ok[0], jnp.where(dae_ok[1], stats.status, _status.STAGNATED),
+                           _status.SINGULAR)
+        stats = stats._replace(status=status.astype(stats.status.dtype))
     terminal = event is not None and not log
     info = ODEInfo(
         converged=stats.status == _status.CONVERGED,
@@ -644,6 +714,22 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     return jax.vmap(unravel)(zs), info._replace(**more)
 
 
+def _dae_start(mass, init, G, y0_flat, t0, theta, const, tols):
+    """``(y0, (index1, converged))`` of a DAE: ``y0`` made consistent with
+    ``init="consistent"``, whether its algebraic block is nonsingular there (index 1) and
+    whether Newton converged (True without ``init``)."""
+    sg = jax.lax.stop_gradient
+    rhs = lambda u, s: G(u, s, theta, const)  # noqa: E731
+    if init == "consistent":
+        y0_flat, index1, converged = _dae.consistent(mass, rhs, y0_flat, t0, sg(tols[0]),
+                                                     sg(tols[1]))
+    else:
+        converged = jnp.bool_(True)
+        index1 = (_dae.index_one(_dae.algebraic_block(mass, rhs, sg(y0_flat), sg(t0)))
+                  if mass.singular else jnp.bool_(True))
+    return y0_flat, (jax.lax.stop_gradient(index1), jax.lax.stop_gradient(converged))
+
+
 def _merge(floating, other, is_float):
     """The leaves split by ``is_float`` (differentiated, not), back in their order."""
     it_f, it_o = iter(floating), iter(other)
@@ -689,8 +775,23 @@ def _notify(progress, t, accepted, t0, t_end):
           end="\n" if t >= t_end else "", flush=True)
 
 
-def _why(status, max_steps, solver, *, backward=False, event=False, discrete=False):
+def _why(status, max_steps, solver, *, backward=False, event=False, discrete=False,
+         dae=False):
     """``(why, advice)`` for a failed integration: solvers._status.explain, for an ODE."""
+    if dae and status == _status.SINGULAR:
+        return ("the DAE is not of index 1 at ts[0]: the Jacobian of its algebraic "
+                "equations (the rows of the left null space of mass=) with respect to its "
+                "algebraic variables (the right null space) is singular at y0 (an index-2 "
+                "or higher problem, such as a pendulum with its position constraint, or a "
+                "singular point); nothing was integrated",
+                "reduce the problem to index 1 (differentiate the constraints that do not "
+                "involve the algebraic variables, as in the pendulum's index-1 form), or "
+                "start from another y0")
+    if dae and status == _status.STAGNATED:
+        return ("init='consistent': Newton's method on the DAE's algebraic equations at "
+                f"ts[0] did not converge in {_dae.INIT_MAXITER} iterations (from y0's "
+                "algebraic part); nothing was integrated",
+                "start from a y0 whose algebraic part is closer to consistent values")
     if status == _integrate.DRIFT and discrete:
         return ("the discrete adjoint's replay of the forward's steps (another program, "
                 "which XLA may round differently) took other steps, which do not join the "
@@ -758,7 +859,7 @@ def _first_failure(converged):
     return first, where
 
 
-def _message(solver, max_steps, event=None):
+def _message(solver, max_steps, event=None, dae=False):
     """The runner's failure-message hooks for an ODE: its reasons, and the time reached
     (and, with an event function, whether it was the one that returned NaN or inf)."""
 
@@ -785,7 +886,8 @@ def _message(solver, max_steps, event=None):
         return text
 
     return {"detail": detail,
-            "explain": lambda code: _why(code, max_steps, solver, event=event is not None)}
+            "explain": lambda code: _why(code, max_steps, solver, event=event is not None,
+                                         dae=dae)}
 
 
 def _report_backward(status, t_fail, *, solver, max_steps, discrete=False):
