@@ -15,8 +15,9 @@ Chord and Broyden recompute the Jacobian when the memory is full or their direct
 fails the line search; a direction from a fresh Jacobian that fails is a reported
 failure (singular Jacobian, no decrease), never a NaN handed back without notice.
 
-Newton's line search (a fresh Jacobian at every step) is bounded by MINPACK's trust
-radius and accepts full steps non-monotonically (see :func:`root`).
+Newton's line search (a fresh Jacobian at every step) accepts full steps
+non-monotonically, with a watchdog that bounds the steps after a failure (see
+:func:`root`).
 
 ``"dogleg"`` globalises with a trust region instead of a line search (Powell's dogleg
 on ``|F|²`` with a fresh dense Jacobian, as MINPACK's ``hybrj``): it also converges
@@ -59,12 +60,12 @@ _MAX_BACKTRACKS = 20
 #: value over this many accepted iterates (Grippo, Lampariello & Lucidi), so that Newton's
 #: full steps may cross a ridge of |F| (measured: see DEVELOPMENT.md).
 _WINDOW = 10
-#: The step bound's start: this times |x0| (MINPACK's ``factor``).
-_FACTOR = 100.0
-#: Newton: where the line search fails, its bounded full step is taken anyway (and the
-#: non-monotone window then lets the iteration wander on), this many times in a solve:
-#: measured 71 -> 85 of 100 random tanh(A x + b) = x (n = 30), MGH 15/15/13 -> 16/15/14.
-_ESCAPES = 5
+#: Newton's backtracking factor (chord and Broyden: the quadratic model's minimiser within
+#: [0.1, 0.5] of the previous trial). Long backtracked steps keep the non-monotone
+#: iteration exploring rather than settling into a local minimum of |F|: on 100 random
+#: tanh(A x + b) = x (n = 30, A ~ N(0, 9/n)), seeds 0-3, the quadratic model in
+#: [0.1, 0.5] solved 72, in [0.5, 0.5] 96/93/96/99, 0.6 98/97/98/96 (see the changelog).
+_BACKTRACK = 0.6
 _ETA_MAX = 0.1  # largest GMRES forcing term (relative residual of the Newton system)
 _GMRES_MAX_STEPS = 200  # matrix-vector products per Newton–Krylov direction
 
@@ -122,13 +123,17 @@ def root(
         unknowns).
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
-        Newton's search is bounded and non-monotone: the direction is cut to a trust
-        radius (MINPACK's: the first step's length, halved after a step
-        that achieves under a tenth of the linear model's decrease of ``|F|²``, at least
-        twice a step that achieves half of it), and its full step is accepted when ``|F|``
-        falls below its largest value over the last 10 iterates (backtracked ones must
-        lower ``|F|`` itself); where it finds no decrease, that full step is taken anyway,
-        up to 5 times in a solve. Chord's and Broyden's are monotone and unbounded.
+        Newton's search is non-monotone: its full step is accepted when ``|F|`` falls
+        below its largest value over the last 10 iterates (backtracked ones, by a factor
+        0.6, must lower ``|F|`` itself); where it finds no decrease, that full step is
+        taken anyway. Where a fresh Jacobian then fails (singular, or no finite trial),
+        a watchdog goes back to the previous iterate and bounds the steps by a trust
+        radius (half the way back, then MINPACK's rules: halved after a step that
+        achieves under a tenth of the linear model's decrease of ``|F|²``, at least
+        twice a step that achieves half of it). The solve is ``stagnated`` when no step
+        over the stagnation window reaches a ``|F|`` below the last 10 iterates' (a
+        cycle, a rounding floor), not while it keeps finding such points. Chord's and
+        Broyden's are monotone and unbounded.
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
       lower, upper: optional box bounds (pytrees like ``x0`` whose leaves are scalars or
         shaped like ``x0``'s, or scalars; ``lower <= upper``, checked when they are
@@ -431,9 +436,10 @@ class _State(NamedTuple):
     quasi: Any  # chord/Broyden: their own state (see _chord, _broyden); Newton: None
     f_window: Any  # |F| at the last _WINDOW accepted iterates (the non-monotone reference)
     f_best: Any  # the smallest |F| so far (a new one is progress for the runner)
-    radius: Any  # the step bound (2-norm; 0 before the first step sets it)
-    improved: Any  # whether the last step reached a new smallest |F| (beyond rounding)
-    escapes: Any  # full steps taken where the line search failed
+    radius: Any  # Newton's step bound (2-norm; inf until a retreat sets it)
+    improved: Any  # whether the last step made progress (see _method's step)
+    x_back: Any  # Newton: the previous iterate, where a retreat goes (else None)
+    fx_back: Any  # Newton: F there (else None)
 
 
 def _norm(v):
@@ -615,8 +621,14 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
 
     ``bounded`` (Newton: a fresh Jacobian at every step): the line search's full step is
     judged non-monotonically (against the largest ``|F|`` of the last ``_WINDOW``
-    iterates) and bounded by MINPACK's trust radius (see :func:`_bounded`); else (a stale
-    Jacobian, whose long steps are not to be trusted) monotone and unbounded."""
+    iterates, Grippo, Lampariello & Lucidi), backtracked trials monotonically (against
+    ``|F(x)|``), by the factor ``_BACKTRACK``; where no trial decreases ``|F|`` the full
+    step is taken anyway. Where a fresh Jacobian then fails (singular, or no finite
+    trial), a watchdog goes back to the previous iterate and bounds the steps by a
+    radius (half the way back, then MINPACK's rules, :func:`_new_radius`): unbounded
+    until then, as long steps into saturation and back are how Newton leaves a basin
+    of a local minimum of ``|F|``. Else (a stale Jacobian, whose long steps are not to
+    be trusted) monotone and unbounded."""
     dtype = rtol.dtype
     big = jnp.finfo(dtype).max
 
@@ -628,8 +640,9 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         return _State(
             x0, jnp.zeros_like(x0), jnp.int32(_status.RUNNING), zero + big, zero,
             jnp.bool_(False), zero - 1, zero, eta if ops.jacobian == "matfree" else None,
-            init_quasi(x0), jnp.zeros((_WINDOW,), dtype), zero, zero, jnp.bool_(False),
-            jnp.int32(0),
+            init_quasi(x0), jnp.zeros((_WINDOW,), dtype), zero, zero + jnp.inf,
+            jnp.bool_(False), x0 if bounded else None,
+            jnp.zeros_like(x0) if bounded else None,
         )
 
     def step(state):
@@ -649,48 +662,71 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         rate = scaled / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
         relative = scaled * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
-        error = relative * (atol + rtol * scale)
-        small = d_ok & (relative <= 1)
+        small = d_ok & (scaled <= 1)  # the step itself is within the tolerance
         fnorm = _norm(fx)
         first = state.f_start < 0
         f_start = jnp.where(first, fnorm, state.f_start)
         window = jnp.where(first, fnorm, state.f_window)
+        f_best = jnp.where(first, fnorm, state.f_best)
+        radius = state.radius
         if line_search:
-            cap, radius = _bounded(state, x, d, d_ok, first) if bounded else (1.0, state.radius)
+            d_norm = _norm(d)
+            cap = (jnp.where(d_ok & (d_norm > radius), radius / jnp.where(d_ok, d_norm, 1.0),
+                             1.0) if bounded else 1.0)
             f_ref = jnp.max(window) if bounded else fnorm
             x_new, f_new, f_new_norm, t, ok, full = _line_search(
-                fn, x, fx, cap * d, project, f_ref, skip=small | ~d_ok | ~f_ok)
+                fn, x, fx, cap * d, project, f_ref, skip=small | ~d_ok | ~f_ok,
+                shrink=(_BACKTRACK, _BACKTRACK) if bounded else (0.1, 0.5))
             if bounded:  # escape: take the (bounded) full step where the search failed
                 escape = (~ok & fresh & d_ok & f_ok & jnp.isfinite(full[2])
-                          & (state.escapes < _ESCAPES))
+                          & jnp.any(full[0] != x))  # (a step projected back is none)
                 x_new, f_new, f_new_norm = (jnp.where(escape, a, b) for a, b in
                                             zip(full, (x_new, f_new, f_new_norm)))
                 t = jnp.where(escape, 1.0, t)
                 ok = ok | escape
-                escapes = state.escapes + escape
         else:
             x_new = project(x + d)
             f_new = fn(x_new)
             f_new_norm = _norm(f_new)
-            t, ok, cap, radius = 1.0, jnp.isfinite(f_new_norm), 1.0, state.radius
-        if not (line_search and bounded):
-            escapes = state.escapes
+            t, ok, cap, full = 1.0, jnp.isfinite(f_new_norm), 1.0, (x_new, f_new, f_new_norm)
         moved = f_ok & d_ok & (ok | small)
+        x_next = jnp.where(moved, x_new, x)
+        f_next = jnp.where(moved, f_new, fx)
+        f_next_norm = jnp.where(moved, f_new_norm, fnorm)
+        whole = moved & (t == 1) & (cap == 1)  # the full step was taken
+        halved = f_next_norm <= 0.5 * fnorm
+        # The contraction rate shortens the estimate only where the full step it judges
+        # was taken and at least halved |F| (as Newton's steps do near a root): after a
+        # long step (into a flat region and back) any later step looks like fast
+        # contraction; Newton reported 'converged' at max|F| = 7.4 that way.
+        estimate = jnp.where(whole & halved, relative, scaled)
+        error = jnp.where(d_ok, estimate * (atol + rtol * scale), big).astype(dtype)
+        full_step = jnp.where(whole, scaled, 0.0).astype(dtype)
         no_decrease = _status.NO_DECREASE if line_search else _status.NONFINITE
         status = jnp.where(
             ~f_ok,
             _status.NONFINITE,
             jnp.where(fresh & ~d_ok, _status.SINGULAR,
                       jnp.where(fresh & ~moved, no_decrease, _status.RUNNING)),
-        ).astype(jnp.int32)
-        x_next = jnp.where(moved, x_new, x)
-        f_next = jnp.where(moved, f_new, fx)
-        full_step = jnp.where(moved & (t == 1) & (cap == 1), scaled, 0.0).astype(dtype)
+        )
         if line_search and bounded:
             radius = _new_radius(radius, t * cap, _norm(d), fnorm, f_new_norm, moved & d_ok)
-        # A failure with a stale Jacobian (chord, Broyden) only asks for a fresh one at
-        # the next step: its error is unknown (large), not a failure.
-        error = jnp.where(d_ok, error, big).astype(dtype)
+            # Watchdog: where a fresh Jacobian fails (singular, or no finite trial along
+            # its direction), the solve goes back to the previous iterate with its steps
+            # bounded by half the way from there (then MINPACK's radius rules), and the
+            # reference restarts monotone. (Not where the bounds hold the trials at x:
+            # a root outside the box, no_decrease.)
+            back = state.x_back
+            retreat = (fresh & f_ok & ~moved & jnp.any(x != back)
+                       & (~d_ok | jnp.any(full[0] != x)))
+            x_next = jnp.where(retreat, back, x_next)
+            f_next = jnp.where(retreat, state.fx_back, f_next)
+            f_next_norm = jnp.where(retreat, _norm(state.fx_back), f_next_norm)
+            radius = jnp.where(retreat, 0.5 * _norm(x - back), radius)
+            window = jnp.where(retreat, f_next_norm, window)
+            status = jnp.where(retreat, _status.RUNNING, status)
+            moved = moved | retreat
+        status = status.astype(jnp.int32)
         # A small step ends the solve only if it can be trusted: from a fresh Jacobian,
         # or one over which |F| at least halved (a stale approximation can give a tiny
         # step far from a root; then the residual has not moved, and the Jacobian is
@@ -698,25 +734,29 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # Not where |F| is merely down to rtol times its value at the guess: from a far
         # guess that is no bound at all (Broyden 'converged' on Brown's almost-linear
         # system, n = 30 from 10x its start, at |F| = 9.8e5 under rtol |F(x0)| = 2.8e8).
-        f_next_norm = jnp.where(moved, f_new_norm, fnorm)
-        halved = f_next_norm <= 0.5 * fnorm
         confirmed = fresh | halved | (f_max == 0)
         if quasi is not None:
             quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved, halved,
-                           small & ~confirmed)
-        # A new smallest |F| (beyond its rounding) is progress the runner's stagnation
-        # test counts, as a minimiser's new smallest objective: a non-monotone iteration
-        # can wander with large steps before it converges.
-        f_best = jnp.where(first, fnorm, state.f_best)
-        improved = f_next_norm < f_best * (1 - 32 * jnp.finfo(dtype).eps)
+                           d_ok & (estimate <= 1) & ~confirmed)
+        # Progress for the runner's stagnation test: a step (not lost in rounding) to a
+        # |F| below every one of the last _WINDOW iterates'. A non-monotone iteration may
+        # wander far before it converges and is not stopped while it keeps finding such
+        # points; a cycle (or a rounding floor) does not.
+        eps = jnp.finfo(dtype).eps
+        lowest = f_next_norm < jnp.min(window) * (1 - 32 * eps)
+        went = _norm(x_next - x) > jnp.sqrt(eps) * jnp.maximum(_norm(x), _norm(x_next))
+        improved = moved & lowest & went
         window = jnp.where(moved, jnp.roll(window, 1).at[0].set(f_next_norm), window)
+        if bounded and line_search:  # (a retreat keeps the point it went back to)
+            state = state._replace(x_back=jnp.where(retreat, back, x),
+                                   fx_back=jnp.where(retreat, state.fx_back, fx))
         return state._replace(
             x=x_next, fx=f_next, status=status, error=error,
             scale=jnp.where(d_ok, scale, 0.0).astype(dtype), confirmed=confirmed,
             f_start=f_start.astype(dtype),
             full_step=full_step, eta=eta, quasi=quasi, f_window=window.astype(dtype),
             f_best=jnp.minimum(f_best, f_next_norm).astype(dtype),
-            radius=jnp.asarray(radius, dtype), improved=improved, escapes=escapes,
+            radius=jnp.asarray(radius, dtype), improved=improved,
         )
 
     def terminate(state):
@@ -876,24 +916,6 @@ def _scaled_step(x, d, rtol, atol):
     return _runner.max_norm(d / (atol + rtol * jnp.abs(y))), _runner.max_norm(y)
 
 
-def _bounded(state, x, d, d_ok, first):
-    """``(cap, radius)``: the share ``cap <= 1`` of the direction ``d`` within the step
-    bound ``radius`` (2-norm), as MINPACK's trust region: the first direction's length
-    (``_FACTOR * |x0|``, or ``_FACTOR`` at ``x0 = 0``, where that is not finite),
-    doubled after a full step, set to a backtracked step's length (so a later long step
-    into a region where ``F`` is flat, where its Jacobian is singular, is not taken at
-    once)."""
-    d_norm = _norm(d)
-    x_norm = _norm(x)
-    start = _FACTOR * jnp.where(x_norm > 0, x_norm, 1.0)
-    # (not also capped at _FACTOR |x0|, as MINPACK's: from Brown's almost-linear start
-    # (n = 10) that took 203 Newton steps against 22; the first step's length suffices)
-    radius = jnp.where(first, jnp.where(d_ok & (d_norm > 0), d_norm, start), state.radius)
-    cap = jnp.where(d_ok & (d_norm > radius),
-                    radius / jnp.where(d_ok & (d_norm > 0), d_norm, 1.0), 1.0)
-    return cap, radius
-
-
 def _new_radius(radius, t, d_norm, fnorm, f_new_norm, moved):
     """MINPACK's update of the step bound after a step ``t d`` (``t <= 1`` of the
     Newton direction ``d``) took ``|F|`` from ``fnorm`` to ``f_new_norm``: with ``ρ`` the
@@ -906,7 +928,7 @@ def _new_radius(radius, t, d_norm, fnorm, f_new_norm, moved):
     return jnp.where(moved & (predicted > 0), new, radius)
 
 
-def _line_search(fn, x, fx, d, project, f_ref, skip):
+def _line_search(fn, x, fx, d, project, f_ref, skip, shrink=(0.1, 0.5)):
     """Backtrack from ``t = 1`` until ``|F(x + t d)| <= (1 - 1e-4 t) |F(x)|``, the full
     step ``t = 1`` judged against ``f_ref >= |F(x)|`` instead (non-monotone: the largest
     ``|F|`` over the last ``_WINDOW`` iterates).
@@ -936,7 +958,7 @@ def _line_search(fn, x, fx, d, project, f_ref, skip):
         denom = r2 - 1.0 + 2.0 * t
         quadratic = t * t / jnp.where(denom > 0, denom, 1.0)
         t_new = jnp.where(jnp.isfinite(fnorm) & (denom > 0), quadratic, 0.1 * t)
-        t_new = jnp.where(i == 0, 1.0, jnp.clip(t_new, 0.1 * t, 0.5 * t))
+        t_new = jnp.where(i == 0, 1.0, jnp.clip(t_new, shrink[0] * t, shrink[1] * t))
         x_t = project(x + t_new * d)
         f_t = fn(x_t)
         fnorm_t = _norm(f_t)

@@ -111,13 +111,15 @@ def test_solves_what_hybr_solves(name, method, x64):
         assert residual <= RESIDUAL_BOUND, (name, residual)
 
 
-def test_a_local_minimum_of_the_residual_is_reported(x64):
+def test_newton_leaves_a_local_minimum_of_the_residual(x64):
     # Freudenstein–Roth from its standard start: Newton (like hybr) is drawn to a local
-    # minimiser of |F| with F ≠ 0; the line search finds no decrease there, its escapes
-    # (full steps) wander without a new smallest |F|: stagnated, and it says so.
+    # minimiser of |F| with F ≠ 0, where the line search finds no decrease. Its full
+    # steps, taken anyway, and the non-monotone search wander out to the root (5, 4)
+    # (they ended 'stagnated' after 5 such steps); hybr stays in the local minimum.
     F, x0 = PROBLEMS["freudenstein_roth"]
-    with pytest.raises(solvers.ConvergenceError, match="stagnated"):
-        jax.block_until_ready(solvers.newton(F, jnp.asarray(x0, jnp.float64)))
+    x, info = solvers.newton(F, jnp.asarray(x0, jnp.float64), full_output=True)
+    assert float(jnp.max(jnp.abs(F(x)))) <= RESIDUAL_BOUND, info
+    np.testing.assert_allclose(x, [5.0, 4.0], rtol=1e-9)
 
 
 def test_a_stale_small_step_far_from_a_root_is_not_convergence(x64):
