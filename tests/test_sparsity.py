@@ -82,7 +82,7 @@ def test_pytrees_gathers_pads_and_reductions():
     assert np.array_equal(jacobian_pattern(f, y).toarray(), expected)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(shifts=st.lists(st.integers(-3, 3), min_size=1, max_size=3),
        power=st.sampled_from([1, 2, 3]), n=st.integers(5, 9))
 def test_stencils_never_miss_an_entry(shifts, power, n):
