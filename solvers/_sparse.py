@@ -69,8 +69,11 @@ REDUCE_MAX_BLOCK = 16
 DENSE_TAIL = 16
 
 
-def structure(jac_sparsity, n, name="jac_sparsity"):
+def structure(jac_sparsity, n, name="jac_sparsity", *, fun=None, x=None, args=(),
+              has_aux=False):
     """The :class:`Structure` of ``jac_sparsity`` for ``n`` unknowns (``None`` for None).
+    ``"auto"``: the pattern of ``fun``'s Jacobian in ``x`` read from its jaxpr
+    (:func:`solvers._sparsity.jacobian_pattern`, ``args`` its other inputs).
 
     Example:
       >>> import numpy as np
@@ -82,6 +85,10 @@ def structure(jac_sparsity, n, name="jac_sparsity"):
     """
     if jac_sparsity is None:
         return None
+    if isinstance(jac_sparsity, str) and jac_sparsity == "auto":
+        from solvers._sparsity import jacobian_pattern
+
+        jac_sparsity = jacobian_pattern(fun, x, *args, name=name, has_aux=has_aux)
     if isinstance(jac_sparsity, Structure):
         if jac_sparsity.n != n:
             raise ValueError(f"`{name}` is for {jac_sparsity.n} unknowns, the state has {n}")

@@ -27,6 +27,7 @@ sparsity.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -371,7 +372,7 @@ def _dot_general(eqn, floats_in, kin, pats):
     return pats.check(out.astype(bool).tocsr(), "dot_general")
 
 
-def jacobian_pattern(fun, x, *args, name="jac_sparsity"):
+def jacobian_pattern(fun, x, *args, name="jac_sparsity", has_aux=False):
     """The sparsity pattern of ``fun``'s Jacobian in ``x`` at trace time: a boolean SciPy
     CSR matrix ``(m, n)`` (``n``: ``x``'s raveled size, ``m``: the output's, its leaves
     raveled and concatenated), True where an entry may be nonzero. ``args`` (pytrees of
@@ -388,22 +389,42 @@ def jacobian_pattern(fun, x, *args, name="jac_sparsity"):
              [0, 0, 1, 1],
              [1, 0, 0, 1]])
     """
-    from jax.flatten_util import ravel_pytree
-
-    flat, unravel = ravel_pytree(x)
-    n = flat.size
-
-    def flat_fun(y, *args):
-        out = fun(unravel(y), *args)
-        return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(out)])
 
     def spec(a):
         if hasattr(a, "shape") and hasattr(a, "dtype"):
             return jax.ShapeDtypeStruct(a.shape, a.dtype)
         return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
-    shapes = jax.tree.map(spec, args)
-    closed = jax.make_jaxpr(flat_fun)(jax.ShapeDtypeStruct(flat.shape, flat.dtype), *shapes)
+    leaves, treedef = jax.tree.flatten(jax.tree.map(spec, (x, args)))
+    try:
+        hash(fun)
+    except TypeError:  # (an unhashable function: read at every call)
+        return _pattern_of(fun, *treedef.unflatten(leaves), name=name, has_aux=has_aux)
+    # Read once per function, shapes and dtypes: an eager caller calling the solver again
+    # would otherwise trace fun again at every call.
+    return _cached_pattern(fun, treedef, tuple(leaves), name, has_aux)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_pattern(fun, treedef, leaves, name, has_aux):
+    return _pattern_of(fun, *treedef.unflatten(leaves), name=name, has_aux=has_aux)
+
+
+def _pattern_of(fun, x, args, *, name, has_aux):
+    """:func:`jacobian_pattern` of ``x`` and ``args`` given as ShapeDtypeStructs."""
+    from jax.flatten_util import ravel_pytree
+
+    with jax.ensure_compile_time_eval():  # (concrete: nothing staged into a caller's trace)
+        flat, unravel = ravel_pytree(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), x))
+    n = flat.size
+
+    def flat_fun(y, *args):
+        out = fun(unravel(y), *args)
+        if has_aux:
+            out = out[0]
+        return jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(out)])
+
+    closed = jax.make_jaxpr(flat_fun)(jax.ShapeDtypeStruct(flat.shape, flat.dtype), *args)
     n_args = len(closed.jaxpr.invars) - 1
     pats = _Patterns(n)
     identity = pats.sp.identity(n, dtype=bool, format="csr")

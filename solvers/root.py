@@ -226,12 +226,8 @@ def root(
                              f"`jacobian` at 'auto', got jacobian={jacobian!r}")
         from solvers._sparse import structure as _structure
 
-        if isinstance(jac_sparsity, str) and jac_sparsity == "auto":
-            from solvers._sparsity import jacobian_pattern
-
-            main = (lambda x, *a: F(x, *a)[0]) if has_aux else F
-            jac_sparsity = jacobian_pattern(main, x0, *args)
-        structure = _structure(jac_sparsity, size, "jac_sparsity")
+        structure = _structure(jac_sparsity, size, "jac_sparsity", fun=F, x=x0, args=args,
+                               has_aux=has_aux)
         jacobian = "sparse"
         if linear_solver == "auto":
             linear_solver = _StructuredSolve(structure)

@@ -399,12 +399,9 @@ def odeint(
         from solvers._sparse import structure as _structure
 
         size = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(y0))
-        if isinstance(jac_sparsity, str) and jac_sparsity == "auto":
-            from solvers._sparsity import jacobian_pattern
-
-            t = jax.ShapeDtypeStruct((), jnp.result_type(*jax.tree.leaves(y0)))
-            jac_sparsity = jacobian_pattern(f, y0, t, *args)
-        structure = _structure(jac_sparsity, size, "jac_sparsity")
+        t = jax.ShapeDtypeStruct((), jnp.result_type(*jax.tree.leaves(y0)))
+        structure = _structure(jac_sparsity, size, "jac_sparsity", fun=f, x=y0,
+                               args=(t, *args))
     size = sum(int(np.prod(jnp.shape(leaf))) for leaf in jax.tree.leaves(y0))
     mass = _dae.prepare_mass(mass, size, method)
     if init is not None:
