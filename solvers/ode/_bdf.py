@@ -124,16 +124,18 @@ class BDFCache(NamedTuple):
     D: Any  # (MAX_ORDER + 3, N) backward differences, spaced at ``h``
     J: Any  # (n, n) Jacobian of the controlled components (kept across steps); with a
     #         structure: compressed, (colours, n)
+    Jy: Any  # (n,) |J| |y| at J's point: the scale of the residual's rounding (the
+    #          Newton noise floor, see ``step``); zeros with a structure
     lu: Any  # the factors of I - c_lu J (implicit._lu.iteration_factor: its inverse or
     #          LU); with a structure: its block elimination
     scalars: Any  # (8,) the values named by _SCALARS
 
     @classmethod
-    def make(cls, k0, D, J, lu, **scalars):
+    def make(cls, k0, D, J, Jy, lu, **scalars):
         """A cache from its arrays and every one of :data:`_SCALARS` by name."""
         dtype = D.dtype
         values = [jnp.asarray(scalars[name], dtype) for name in _SCALARS]
-        return cls(k0, D, J, lu, jnp.stack(_sharding.stackable(values)))
+        return cls(k0, D, J, Jy, lu, jnp.stack(_sharding.stackable(values)))
 
     def updated(self, **changes):
         """This cache with some arrays or scalars replaced."""
@@ -224,16 +226,23 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
     def placeholder(J):
         return jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda J: factorise(1.0, J), J))
 
+    def rounding_scale(J, u):
+        # |J| |u|: the size of f's terms, whose rounding bounds the residual's (step).
+        if structure is not None:
+            return jnp.zeros_like(u)
+        return _small.matmul(jnp.abs(J), jnp.abs(u))
+
     def init(s0, z0):
         dtype = z0.dtype
         f0 = rhs(z0[:n], s0)
         if mass is not None:  # (the consistent slope: y' for the predictor of step one)
             f0 = jnp.concatenate([slope(z0[:n], s0), f0[n:]])
         J = jax.lax.stop_gradient(jac(z0[:n], s0))
+        Jy = jax.lax.stop_gradient(rounding_scale(J, z0[:n]))
         D = _sharding.rows_like(z0, R).at[0].set(z0).at[1].set(f0)  # spaced at h = 1
         zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
         return BDFCache.make(
-            k0=f0, D=D, J=J, lu=placeholder(J), h=one, order=one, n_equal=zero, c_lu=zero,
+            k0=f0, D=D, J=J, Jy=Jy, lu=placeholder(J), h=one, order=one, n_equal=zero, c_lu=zero,
             fresh=one, factor=one, safety=jnp.asarray(0.9, dtype), refresh=zero,
         )
 
@@ -340,8 +349,12 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         # branches close over to varying, refused where a branch mixes them with varying
         # ones: see _sharding.cond_once.)
         refresh = cache.refresh > 0
-        J = _sharding.cond_once(refresh, lambda: jac(u_pred, t_new), lambda: cache.J,
-                                explicit=False)
+        def fresh_jacobian():
+            J = jac(u_pred, t_new)
+            return J, rounding_scale(J, u_pred)
+
+        J, Jy = _sharding.cond_once(refresh, fresh_jacobian, lambda: (cache.J, cache.Jy),
+                                    explicit=False)
         need = refresh | (c != cache.c_lu)
         lu = _sharding.cond_once(need, lambda: factorise(c, J), lambda: cache.lu,
                                  explicit=False)
@@ -350,9 +363,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         # to 1e-10 of its terms late on): past t = 1e9 at rtol 1e-9 that rounding, scaled,
         # was 1e-3, above the contraction test's 3e-5, and Newton "diverged" on noise at
         # most steps (8,586 steps and 2,048 Jacobians against SciPy's 2,263). A correction
-        # within 10x that rounding (and at most 0.1 of the tolerance) is converged.
+        # within 10x that rounding (and at most 0.1 of the tolerance) is converged. |J| |y|
+        # is taken where J was (cache.Jy: one product per Jacobian, not per step; at most a
+        # few steps old, since a Newton failure brings a new J and with it a new floor).
         if structure is None:
-            noise = rms(c * eps * _small.matmul(jnp.abs(J), jnp.abs(u_pred)), scale)
+            noise = rms(c * eps * Jy, scale)
             floor = jnp.minimum(0.1, 10 * noise)
         else:
             floor = jnp.zeros((), dtype)
@@ -372,14 +387,14 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         safety = (0.9 * (2 * NEWTON_MAXITER + 1) / (2 * NEWTON_MAXITER + n_iter)).astype(dtype)
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h, safety, dtype)
         fresh_f = fresh.astype(dtype)
-        common = dict(k0=cache.k0, J=J, lu=lu, c_lu=c_lu, safety=safety)
+        common = dict(k0=cache.k0, J=J, Jy=Jy, lu=lu, c_lu=c_lu, safety=safety)
         acc = BDFCache.make(D=D_new, h=h, order=order, n_equal=n_eq,
                             fresh=jnp.zeros_like(fresh_f), factor=factor,
                             refresh=jnp.zeros_like(fresh_f), **common)
         # A rejected step leaves D as it was (spaced at cache.h; the retry rescales it from
         # there): the discrete adjoint takes the input cache of an accepted step to be the
         # output of the previous accepted one, whatever was rejected in between.
-        rej = cache.updated(J=J, lu=lu, c_lu=c_lu, safety=safety, fresh=fresh_f,
+        rej = cache.updated(J=J, Jy=Jy, lu=lu, c_lu=c_lu, safety=safety, fresh=fresh_f,
                             factor=jnp.ones((), dtype), refresh=(~conv & ~fresh).astype(dtype))
         ok = conv & jnp.all(jnp.isfinite(y_new))
         return y_new, err, ks, acc, rej, ok, (fevals, njac, nlu)
@@ -414,7 +429,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         y_new = y_pred + d
         D_new, order, n_eq, factor, ks = update(D, k, d, n_equal, z, y_new, h,
                                                  sg(cache.safety), dtype)
-        acc = BDFCache.make(k0=cache.k0, D=D_new, J=sg(cache.J), lu=sg(cache.lu), h=h,
+        acc = BDFCache.make(k0=cache.k0, D=D_new, J=sg(cache.J), Jy=sg(cache.Jy),
+                            lu=sg(cache.lu), h=h,
                             order=sg(order), n_equal=sg(n_eq), c_lu=cache.c_lu,
                             fresh=jnp.zeros((), dtype), factor=sg(factor),
                             safety=cache.safety, refresh=jnp.zeros((), dtype))
