@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from implicit._reduce import all_
 from implicit._sharding import context_manual_axes, mesh_of, vary, varying
 
 __all__ = ["host_check"]
@@ -155,7 +156,7 @@ def host_check(ok, host, operands):
                 jax.ShapeDtypeStruct((), jnp.bool_), ok, flat, vmap_method="sequential",
             )
 
-        return jax.lax.cond(jnp.all(ok), lambda *_: jnp.bool_(True), call, ok, flat)
+        return jax.lax.cond(all_(ok), lambda *_: jnp.bool_(True), call, ok, flat)
 
     @jax.custom_batching.custom_vmap
     def guard(ok, *leaves):

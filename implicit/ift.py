@@ -19,6 +19,7 @@ from jax.flatten_util import ravel_pytree
 from implicit import _checks, linear
 from implicit import _sharding
 from implicit._host import host_check
+from implicit._reduce import all_
 
 __all__ = ["custom_root", "custom_fixed_point"]
 
@@ -166,7 +167,7 @@ def custom_fixed_point(mapping, **options):
 
 
 def _all(tree):
-    return jnp.all(jnp.stack([jnp.all(leaf) for leaf in jax.tree.leaves(tree)]))
+    return all_(jnp.stack([all_(leaf) for leaf in jax.tree.leaves(tree)]))
 
 
 def _implicit_solve(

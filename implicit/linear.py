@@ -38,6 +38,7 @@ from jax.flatten_util import ravel_pytree
 from jax.scipy.sparse import linalg as jsp_linalg
 
 from implicit import _lu, _sharding
+from implicit._reduce import all_
 
 __all__ = ["LINEAR_SOLVERS", "LINEAR_METHODS", "solve", "refined", "REFINE_STEPS"]
 
@@ -306,7 +307,7 @@ def _flat_method(linear_solver, unravel, rtol, atol, max_steps, size):
 
     def solve_(mv_flat, rhs_flat):
         x = raw(mv_flat, rhs_flat)
-        return jnp.where(jnp.all(jnp.isfinite(rhs_flat)), x, jnp.nan)
+        return jnp.where(all_(jnp.isfinite(rhs_flat)), x, jnp.nan)
 
     return solve_
 
@@ -405,4 +406,4 @@ def converged(linear_solver, matvec, b, x, *, rtol, atol):
 
 
 def _all_finite(tree):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(tree)]))
+    return all_(jnp.stack([all_(jnp.isfinite(v)) for v in jax.tree.leaves(tree)]))

@@ -37,6 +37,7 @@ import numpy as np
 from implicit import _checks, custom_root
 from implicit import _sharding
 from implicit._host import host_check
+from implicit._reduce import any_
 from solvers import _status
 
 __all__ = [
@@ -150,7 +151,7 @@ def _leaf_max_norm(leaf):
     if _sharding.on_several_devices(leaf):
         # NaN is tested for apart: a max over devices (a sharded array's all-reduce)
         # may drop a NaN that a max on one device keeps; a NaN must never pass the test.
-        norm = jnp.where(jnp.any(jnp.isnan(leaf)), jnp.nan, norm)
+        norm = jnp.where(any_(jnp.isnan(leaf)), jnp.nan, norm)
     return norm
 
 
