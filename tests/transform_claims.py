@@ -72,15 +72,23 @@ def names(row: str) -> list[str]:
     return [name.strip() for name in row.split(",")]
 
 
+def _code(transform: str) -> str:
+    return ", ".join(f"`{name.strip()}`" for name in transform.split(","))
+
+
 def render() -> str:
-    """The markdown table of ``CLAIMS``: ✓ with the defaults, else the option needed."""
-    header = "| | " + " | ".join(f"`{t}`" for t in TRANSFORMS) + " |"
-    lines = [header, "|---" * (len(TRANSFORMS) + 1) + "|"]
+    """The markdown table of ``CLAIMS``: per row, the transformations that work with the
+    defaults, and those that need an option, grouped by option (three columns, so that
+    it reads on a phone)."""
+    lines = ["| | with the defaults | with an option |", "|---|---|---|"]
     for row, cells in CLAIMS.items():
-        shown = []
+        default = [_code(t) for t in TRANSFORMS if cells.get(t) == DEFAULT]
+        options = {}
         for transform in TRANSFORMS:
             option = cells.get(transform)
-            shown.append("–" if option is None else "✓" if option == DEFAULT else f"`{option}`")
+            if option:
+                options.setdefault(option, []).append(_code(transform))
+        with_option = "; ".join(f"`{option}`: " + ", ".join(ts) for option, ts in options.items())
         label = ", ".join(f"`{name}`" for name in names(row))
-        lines.append(f"| {label} | " + " | ".join(shown) + " |")
+        lines.append(f"| {label} | {', '.join(default) or '–'} | {with_option or '–'} |")
     return "\n".join(lines)
