@@ -1,7 +1,8 @@
 """solvers: fixed points, roots, minima and ODEs in JAX, differentiated implicitly.
 
 Every solver takes the unknown first and the parameters after (``f(x, *args)``), works
-under ``jit``, ``vmap``, ``grad`` and ``grad(grad)``, and takes the common options
+under ``jit``, ``vmap`` and ``grad`` (which other transformations each supports, and with
+which option: the documentation's "JAX transformations" table), and takes the common options
 ``rtol``, ``atol``, ``max_steps``, ``on_failure`` and ``full_output``; the fixed-point,
 root and bracketed solvers also take ``rule`` and ``linear_solver`` (``odeint``
 differentiates by its own adjoint, ``adjoint=``). Why a solve stopped is one vocabulary

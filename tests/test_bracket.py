@@ -82,6 +82,7 @@ def test_gradient_float32(method):
     np.testing.assert_allclose(g, 1 / (3 * cbrt64(a) ** 2), rtol=1e-4)
 
 
+@pytest.mark.transforms("bisection, chandrupatla", "jit", "grad", "grad(grad)")
 @both
 def test_gradients_float64_grad_of_grad_and_bracket_ends(method, x64):
     m = METHODS[method]
@@ -99,6 +100,8 @@ def test_gradients_float64_grad_of_grad_and_bracket_ends(method, x64):
     np.testing.assert_array_equal(g_ends, (0.0, 0.0))
 
 
+@pytest.mark.transforms("bisection, chandrupatla", "vmap", "jacrev")
+@pytest.mark.transforms("bisection, chandrupatla", "jvp, jacfwd", "hessian", option='rule="jvp"')
 @both
 def test_vmap_jacrev_and_forward_mode(method, x64):
     m = METHODS[method]

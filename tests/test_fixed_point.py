@@ -18,6 +18,7 @@ def newton_sqrt(a):
     return solvers.fixed_point(newton_update, a, a)
 
 
+@pytest.mark.transforms("fixed_point", "jit", "vmap", "grad", "grad(grad)")
 def test_seed_notebook_numbers():
     # The notebook prints 1.4142135, 0.35355338 and -0.088388346 (float32).
     assert newton_sqrt(2.0).dtype == jnp.float32
@@ -133,6 +134,7 @@ def test_pytree_state_and_namedtuple():
     np.testing.assert_allclose(g, 1 / 0.75, rtol=1e-5)
 
 
+@pytest.mark.transforms("fixed_point", "jvp, jacfwd", "hessian", option='rule="jvp"')
 def test_jvp_rule_forward_mode_and_hessian():
     f = lambda x, a: 0.5 * (x + a / x)
     sqrt = lambda a: solvers.fixed_point(f, a, a, rule="jvp")
@@ -269,6 +271,7 @@ def _mixed_map(x, a):
     return {"p": (0.5 * jnp.cos(a * x["p"])).astype(jnp.float32), "q": 0.3 * jnp.sin(x["q"] + a)}
 
 
+@pytest.mark.transforms("fixed_point", "jacrev")
 @pytest.mark.parametrize("rule", ["vjp", "jvp"])
 def test_mixed_precision_pytree_follows_its_coarsest_leaf(x64, rule):
     # A float32 leaf in a float64 pytree: the adjoint solve, held to float64's tolerance,
@@ -280,7 +283,8 @@ def test_mixed_precision_pytree_follows_its_coarsest_leaf(x64, rule):
     flat = lambda x: jnp.concatenate([x["p"].astype(jnp.float64), x["q"]])  # noqa: E731
     x = solve(0.7)
     assert x["p"].dtype == jnp.float32 and x["q"].dtype == jnp.float64
-    jac = (jax.jacfwd if rule == "jvp" else jax.jacrev)(lambda a: flat(solve(a)))(0.7)
+    solution = lambda a: flat(solve(a))  # noqa: E731
+    jac = jax.jacfwd(solution)(0.7) if rule == "jvp" else jax.jacrev(solution)(0.7)
 
     def g(z, a):  # the map in float64, on the flat vector
         return jnp.concatenate([0.5 * jnp.cos(a * z[:2]), 0.3 * jnp.sin(z[2:] + a)])

@@ -36,6 +36,7 @@ def _newton_sqrt(rule="vjp", linear_solver="gmres"):
     return lambda a: solver(a, a)
 
 
+@pytest.mark.transforms("custom_root, custom_fixed_point", "jit", "vmap", "grad", "grad(grad)")
 @pytest.mark.parametrize("linear_solver", LINEAR)
 def test_seed_newton_sqrt_numbers(linear_solver):
     # The notebook's values: sqrt(2), 1/(2 sqrt 2), -1/(4 * 2^1.5), computed independently.
@@ -51,6 +52,8 @@ def test_seed_newton_sqrt_numbers(linear_solver):
     )
 
 
+@pytest.mark.transforms("custom_root, custom_fixed_point", "jvp, jacfwd", "hessian",
+                        option='rule="jvp"')
 @pytest.mark.parametrize("linear_solver", ["gmres", "bicgstab", "dense"])
 def test_jvp_rule_forward_mode(linear_solver):
     newton_sqrt = _newton_sqrt(rule="jvp", linear_solver=linear_solver)
@@ -118,6 +121,7 @@ def _reference_loss_grad(params):
     [("vjp", "gmres"), ("vjp", "bicgstab"), ("vjp", "dense"), ("jvp", "gmres"), ("jvp", "dense"),
      ("vjp", lambda matvec, b: linear.solve("dense", matvec, b, rtol=1e-6, atol=0.0))],
 )
+@pytest.mark.transforms("custom_root, custom_fixed_point", "jacrev")
 def test_pytree_gradients_match_direct_differentiation(rule, linear_solver):
     params = _params()
     solve = _linear_system_solver(rule, linear_solver)

@@ -85,6 +85,7 @@ def test_nist_misra1a_from_start_1(method, x64):
     np.testing.assert_allclose(rss, 1.2455138894e-01, rtol=1e-9)
 
 
+@pytest.mark.transforms("least_squares", "jacrev")
 def test_misra1a_gradient_wrt_data(x64):
     jac = jax.jacrev(lambda y: solvers.least_squares(
         misra, jnp.asarray(MISRA_START1), MISRA_X, y))(jnp.asarray(MISRA_Y))
@@ -135,6 +136,7 @@ FIT_MODELS = {
 }
 
 
+@pytest.mark.transforms("least_squares", "vmap")
 @pytest.mark.parametrize("model", FIT_MODELS)
 @pytest.mark.parametrize("dtype, rtol, close", [("float32", None, 1e-3),
                                                 ("float64", 1e-12, 1e-6)])
@@ -213,6 +215,32 @@ def test_scaled_meyer_fit_is_solved_in_float64(x64):
                                     max_steps=2000, full_output=True)
     np.testing.assert_allclose(x, [2.48177814, 6.1813464, 3.45223636], rtol=1e-7)
     assert info.status_name == "converged"
+
+
+@pytest.mark.transforms("least_squares", "jit", "grad", "grad(grad)")
+@pytest.mark.transforms("least_squares", "jvp, jacfwd", "hessian", option='rule="jvp"')
+def test_every_mode_of_differentiation_on_scaled_data(x64):
+    # Exact data scaled by s: p*(s) = (s a, b), so d p*/ds = (a, 0) and d²(a*²)/ds² = 2 a².
+    y = jnp.asarray(P_TRUE[0] * np.exp(-P_TRUE[1] * T))
+
+    def solve(s, rule="vjp"):
+        return solvers.least_squares(exp_fit, jnp.ones(2), T, s * y, rule=rule)
+
+    def a_squared(s, rule="vjp"):
+        return solve(s, rule)[0] ** 2
+
+    @jax.jit
+    def derivatives(s):
+        return (jax.grad(a_squared)(s), jax.grad(jax.grad(a_squared))(s),
+                jax.jacfwd(lambda s: solve(s, "jvp"))(s),
+                jax.hessian(lambda s: a_squared(s, "jvp"))(s))
+
+    g, gg, jac, hess = derivatives(1.0)
+    a = P_TRUE[0]
+    np.testing.assert_allclose(g, 2 * a**2, rtol=1e-7)
+    np.testing.assert_allclose(gg, 2 * a**2, rtol=1e-6)
+    np.testing.assert_allclose(jac, [a, 0.0], rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(hess, 2 * a**2, rtol=1e-6)
 
 
 def test_residual_with_custom_vjp(x64):

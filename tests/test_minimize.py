@@ -55,6 +55,7 @@ def ridge_solution(lam):
     return w, -np.linalg.solve(m, w)
 
 
+@pytest.mark.transforms("minimize", "jacrev")
 @pytest.mark.parametrize("method", [METHODS[0]] + [pytest.param(m, marks=SLOW)
                                                     for m in METHODS[1:]])
 def test_quadratic_minimum_and_gradient(method, x64):
@@ -112,6 +113,7 @@ def test_gradient_matches_finite_differences(x64):
     np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.transforms("minimize", "jit", "vmap", "grad", "grad(grad)")
 def test_jit_vmap_and_grad_of_grad(x64):
     a = jnp.asarray(A)
     bs = jnp.stack([jnp.asarray(B), 2.0 * jnp.asarray(B)])
@@ -122,6 +124,21 @@ def test_jit_vmap_and_grad_of_grad(x64):
     f = lambda s: jnp.sum(solvers.minimize(quadratic, jnp.zeros(3), a, s * bs[0]) ** 2)  # noqa: E731
     expected = 2 * np.sum(np.linalg.solve(A, B) ** 2)
     np.testing.assert_allclose(jax.grad(jax.grad(f))(1.0), expected, rtol=1e-6)
+
+
+@pytest.mark.transforms("minimize", "jvp, jacfwd", "hessian", option='rule="jvp"')
+def test_forward_mode_and_hessian_with_jvp_rule(x64):
+    # x*(b) = A⁻¹ b: jacfwd is A⁻¹, and the Hessian of |x*(b)|² is 2 A⁻ᵀ A⁻¹.
+    a = jnp.asarray(A)
+
+    def solve(b):
+        return solvers.minimize(quadratic, jnp.zeros(3), a, b, rule="jvp")
+
+    jac, hess = jax.jit(lambda b: (jax.jacfwd(solve)(b),
+                                   jax.hessian(lambda b: jnp.sum(solve(b) ** 2))(b)))(B)
+    inv = np.linalg.inv(A)
+    np.testing.assert_allclose(jac, inv, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(hess, 2 * inv.T @ inv, rtol=1e-6, atol=1e-8)
 
 
 def test_pytree_guess_and_closed_over_parameter(x64):

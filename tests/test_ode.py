@@ -269,6 +269,7 @@ def test_gradient_through_closure(x64):
     np.testing.assert_allclose(jax.grad(loss)(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
 
 
+@pytest.mark.transforms("odeint", "jit", "vmap", "grad")
 def test_vmap_over_initial_conditions_and_jit(x64):
     ts = jnp.array([0.0, 1.0, 2.0])
     y0s = jnp.array([1.0, 2.0, 3.0])
@@ -278,6 +279,7 @@ def test_vmap_over_initial_conditions_and_jit(x64):
     np.testing.assert_allclose(grads, np.exp(-1.0) * np.ones(3), rtol=1e-7)
 
 
+@pytest.mark.transforms("odeint", "grad(grad)", option='adjoint="backsolve"')
 def test_grad_of_grad(x64):
     # d²/dk² y(2) for y = exp(-k t): 4 exp(-2k).
     def final(k):
@@ -287,6 +289,7 @@ def test_grad_of_grad(x64):
     np.testing.assert_allclose(jax.grad(jax.grad(final))(0.7), 4 * np.exp(-1.4), rtol=1e-6)
 
 
+@pytest.mark.transforms("odeint", "jacrev")
 def test_jacrev_matches_matrix_exponential(x64):
     A = jnp.array([[-1.0, 2.0], [0.5, -3.0]])
     J = jax.jacrev(

@@ -150,6 +150,7 @@ def test_linear_system_sensitivities_match_expm(x64, method):
     np.testing.assert_allclose(dA, expected, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.transforms("odeint", "hessian", option='adjoint="forward"')
 @pytest.mark.parametrize("method", FAST_METHODS)
 def test_hessian_matches_closed_form(x64, method):
     # y' = -k y²: y(T) = y0 / (1 + k y0 T); jax.hessian (forward over reverse) and
@@ -206,6 +207,7 @@ def test_hessian_of_lotka_volterra_loss_matches_differences_of_the_gradient(x64)
     np.testing.assert_allclose(H, H.T, rtol=1e-9, atol=1e-9 * float(jnp.max(jnp.abs(H))))
 
 
+@pytest.mark.transforms("odeint", "jvp, jacfwd", option='adjoint="forward"')
 def test_forward_mode_under_jit_and_vmap(x64):
     ts = jnp.array([0.0, 0.5, 1.5])
     ks = jnp.array([0.3, 0.7, 1.1])

@@ -199,6 +199,7 @@ def test_gradient_float32_and_callable_linear_solver():
         np.testing.assert_allclose(g_b, expected_b, rtol=1e-4)
 
 
+@pytest.mark.transforms("root, newton", "jit", "vmap", "jacrev")
 def test_jit_vmap_and_jacrev():
     a = jnp.array([1.0, 8.0, 27.0])
     np.testing.assert_allclose(cube_root(a), [1.0, 2.0, 3.0], rtol=1e-6)
@@ -217,6 +218,7 @@ def test_vmap_over_initial_guess_and_parameters(x64):
         np.testing.assert_allclose(x, coupled_reference(THETA, np.asarray(b))[0], rtol=1e-9)
 
 
+@pytest.mark.transforms("root, newton", "grad", "grad(grad)")
 def test_grad_of_grad(x64):
     # x = a^(1/3): x'' = -2/9 a^(-5/3).
     f = lambda a: solvers.newton(lambda x, a: x**3 - a, 1.0, a)  # noqa: E731
@@ -225,6 +227,7 @@ def test_grad_of_grad(x64):
     np.testing.assert_allclose(gg, -2 / 9 * 8.0 ** (-5 / 3), rtol=1e-8)
 
 
+@pytest.mark.transforms("root, newton", "jvp, jacfwd", "hessian", option='rule="jvp"')
 def test_forward_mode_and_hessian_with_jvp_rule(x64):
     a = jnp.float64(A_COEF)
     b = jnp.asarray(B_RHS)

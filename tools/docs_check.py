@@ -11,10 +11,12 @@ Run by ``make docs-check`` (not part of CI). Checks, with Playwright driving Deb
 - every notebook page shows its figures (``img`` elements, loaded) and, where its
   markdown has formulas, typesets them with the site's own MathJax (no ``$`` left).
 
-A full-page screenshot of every page (and of the search results) is saved under
-``site_check/``, with ``report.txt``. The notebooks' figures come from the executed copies
-that ``tests/test_notebooks.py`` saves in ``build/notebooks/``; where one is missing or
-older than its source, the notebook tests are run first (``--no-notebooks`` skips that).
+A full-page screenshot of every page at a desktop width (1280 px) and at a phone's
+(390 px, under ``site_check/phone/``), and of the search results, is saved under
+``site_check/``, with ``report.txt``; a page that scrolls sideways at either width fails.
+The notebooks' figures come from the executed copies that ``tests/test_notebooks.py``
+saves in ``build/notebooks/``; where one is missing or older than its source, the
+notebook tests are run first (``--no-notebooks`` skips that).
 Exit status 1 if any check fails.
 """
 
@@ -141,6 +143,20 @@ def _without_mathjax_font_probes(events):
         and ("Failed to load resource" in e or "font at 'about:blank'" in e))]
 
 
+#: A phone's screen (an iPhone 12-15's CSS pixels), as the issue's review used.
+PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2,
+         "is_mobile": True, "has_touch": True}
+
+
+def _overflow(page):
+    """The page scrolls sideways: something is wider than the screen (Material keeps
+    tables and code blocks in their own scrolling boxes, so the page itself should not)."""
+    width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    if width[0] > width[1] + 1:
+        return [f"page {width[0]} px wide in a {width[1]} px window (scrolls sideways)"]
+    return []
+
+
 def check(base, pages):
     from playwright.sync_api import sync_playwright
 
@@ -213,6 +229,7 @@ def check(base, pages):
                     "els => els.map(e => e.innerText.replace('¶', '').trim())",
                 )
                 api_headings |= {h.split()[0] for h in headings if h}
+            problems += _overflow(page)
             ok = not problems
             lines.append(
                 f"{'ok  ' if ok else 'FAIL'} /{url:<42} {title}"
@@ -222,6 +239,27 @@ def check(base, pages):
             lines += [f"       {p}" for p in problems]
             if not ok:
                 failures.append(url)
+
+        # Phone width: a screenshot of every page, and no page wider than the screen.
+        phone = browser.new_context(**PHONE)
+        phone.route("**/*", route)
+        small = phone.new_page()
+        (OUT / "phone").mkdir(exist_ok=True)
+        for title, src, url in pages:
+            small.goto(base + url, wait_until="networkidle")
+            small.wait_for_timeout(200)
+            slug = url.strip("/").replace("/", "_") or "index"
+            shot = OUT / "phone" / f"{slug}.png"
+            small.screenshot(path=str(shot), full_page=True)
+            problems = _overflow(small)
+            lines.append(
+                f"{'ok  ' if not problems else 'FAIL'} /{url:<42} {title} at "
+                f"{PHONE['viewport']['width']} px -> {shot.relative_to(ROOT)}"
+            )
+            lines += [f"       {p}" for p in problems]
+            if problems:
+                failures.append(f"{url} (phone)")
+        phone.close()
 
         # Search: type into Material's search box, wait for the results.
         events.clear()

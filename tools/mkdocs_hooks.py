@@ -1,4 +1,9 @@
-"""MkDocs hooks: the version in the site's name, and the notebooks of ``notebooks/``.
+"""MkDocs hooks: the version in the site's name, the transformations table, and the
+notebooks of ``notebooks/``.
+
+The table of the JAX transformations each solver supports is rendered from
+``tests/transform_claims.py`` (which ``tests/test_transform_claims.py`` checks against the
+test suite) where a page has the line ``<!-- transforms-table -->``.
 
 The notebooks are committed without outputs and are never executed by ``mkdocs build``.
 ``tests/test_notebooks.py`` executes each one and saves the executed copy, with its
@@ -106,6 +111,21 @@ def notebook_toc_tokens(content: str) -> list[dict]:
         (stack[-1]["children"] if stack else tokens).append(token)
         stack.append(token)
     return tokens
+
+
+#: Where a page shows the transformations table (tests/transform_claims.py renders it).
+TRANSFORMS_TABLE = "<!-- transforms-table -->"
+
+
+def on_page_markdown(markdown, page, config, files):
+    """The transformations table, rendered from the claims the test suite checks."""
+    if TRANSFORMS_TABLE not in markdown:
+        return markdown
+    spec = importlib.util.spec_from_file_location(
+        "transform_claims", ROOT / "tests" / "transform_claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    return markdown.replace(TRANSFORMS_TABLE, claims.render())
 
 
 def on_page_content(html_content, page, config, files):

@@ -1,0 +1,94 @@
+"""The JAX transformations each solver supports: the one statement of them.
+
+The documentation's table (``docs/transforms.md``, filled in by ``tools/mkdocs_hooks.py``
+at build time) is rendered from ``CLAIMS``, and ``tests/test_transform_claims.py`` checks
+every claim against the test suite: each cell must be backed by a test that runs in CI
+(not ``slow``), is marked ``@pytest.mark.transforms(row, transform, ..., option=...)``
+and applies that transformation (its source calls ``jax.hessian(`` for ``"hessian"``,
+etc.) with that option. A claim no test checks fails the suite.
+
+To change a claim, edit its cell here and mark the test that checks it; for example,
+once ``odeint``'s default adjoint supports second order, its ``"grad(grad)"`` cell
+becomes ``DEFAULT`` (and a test of it carries
+``@pytest.mark.transforms("odeint", "grad(grad)")``).
+"""
+
+from __future__ import annotations
+
+#: Works with the solver's defaults.
+DEFAULT = ""
+
+#: The columns, and the calls a test's source must contain to check each (any one).
+TRANSFORMS = {
+    "jit": ("jax.jit(", "@jax.jit"),
+    "vmap": ("jax.vmap(",),
+    "grad": ("jax.grad(",),
+    "jacrev": ("jax.jacrev(",),
+    "grad(grad)": ("jax.grad(jax.grad(",),
+    "jvp, jacfwd": ("jax.jvp(", "jax.jacfwd("),
+    "hessian": ("jax.hessian(",),
+}
+
+_FORWARD = 'rule="jvp"'
+
+#: Row -> {transform: the option it needs (DEFAULT: none)}; a transform left out is not
+#: claimed (it raises, with a message naming what to do instead). A row names one or
+#: more public functions (``"bisection, chandrupatla"``): a test of any of them counts.
+CLAIMS: dict[str, dict[str, str]] = {
+    "fixed_point": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+    "root, newton": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+    "bisection, chandrupatla": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+    "minimize": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+    "least_squares": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+    "odeint": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": 'adjoint="backsolve"',  # the default adjoint raises (first order)
+        "jvp, jacfwd": 'adjoint="forward"', "hessian": 'adjoint="forward"',
+    },
+    "custom_root, custom_fixed_point": {
+        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+    },
+}
+
+
+def names(row: str) -> list[str]:
+    """The public functions a row names."""
+    return [name.strip() for name in row.split(",")]
+
+
+def _code(transform: str) -> str:
+    return ", ".join(f"`{name.strip()}`" for name in transform.split(","))
+
+
+def render() -> str:
+    """The markdown table of ``CLAIMS``: per row, the transformations that work with the
+    defaults, and those that need an option, grouped by option (three columns, so that
+    it reads on a phone)."""
+    lines = ["| | with the defaults | with an option |", "|---|---|---|"]
+    for row, cells in CLAIMS.items():
+        default = [_code(t) for t in TRANSFORMS if cells.get(t) == DEFAULT]
+        options = {}
+        for transform in TRANSFORMS:
+            option = cells.get(transform)
+            if option:
+                options.setdefault(option, []).append(_code(transform))
+        with_option = "; ".join(f"`{option}`: " + ", ".join(ts) for option, ts in options.items())
+        label = ", ".join(f"`{name}`" for name in names(row))
+        lines.append(f"| {label} | {', '.join(default) or '–'} | {with_option or '–'} |")
+    return "\n".join(lines)
