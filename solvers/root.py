@@ -102,8 +102,14 @@ def root(
     contraction rate ``ρ < 1/2``;
     a small step from chord's or Broyden's stale Jacobian counts only if ``|F|`` at least
     halved over it (else the Jacobian is refreshed to decide: a stale approximation can
-    give a tiny step far from a root). A guess with ``F(x0) == 0`` is returned after zero
-    steps.
+    give a tiny step far from a root). ``atol`` there is at most ``rtol`` times the
+    unknowns' size (``max(max|x|, max|x0|)``, as MINPACK's ``xtol |D x|``): unknowns of
+    1e-7 from a guess of 1e-5 are not settled by ``atol = 1e-10``. With a dense Jacobian
+    (``newton``, ``chord``, ``broyden``, ``dogleg``), the residual must also hold, equation
+    by equation: ``|F_i(x)| <= sum_j |J_ij| (atol + rtol |x_j|)`` (that ``atol``), what a
+    change of the unknowns within their tolerances can move ``F_i`` by, so a tiny step
+    from an ill-conditioned ``J`` far from a root is not a solution, however ``F`` is
+    scaled. A guess with ``F(x0) == 0`` is returned after zero steps.
     Gradients with respect to ``args`` and to traced values ``F`` closes over are
     ``-(∂F/∂x)⁻¹ ∂F/∂θ`` (one adjoint linear solve with ``linear_solver``); the
     iterations are never differentiated.
@@ -369,9 +375,9 @@ def _solve(
             return ravel_pytree(F(unravel(v), *args))[0]
 
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps),
-                      structure)
+                      structure, (rtol, atol, _runner.max_norm(x0_flat)))
         if method == "dogleg":
-            runner_method = _dogleg(fn, project, rtol, atol)
+            runner_method = _dogleg(fn, project, rtol, atol, _runner.max_norm(x0_flat))
         else:
             runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
                                     line_search, rtol, atol, project,
@@ -436,6 +442,7 @@ class _State(NamedTuple):
     improved: Any  # whether the last step made progress (see _method's step)
     x_back: Any  # Newton: the previous iterate, where a retreat goes (else None)
     fx_back: Any  # Newton: F there (else None)
+    f_tol: Any  # per equation, the residual test's tolerance (_Linear.residual_tolerance)
 
 
 def _norm(v):
@@ -457,6 +464,19 @@ class _Linear(NamedTuple):
     jacobian: str  # "dense", "matfree" or "sparse" (a Structure: block elimination)
     eta_min: Any  # tightest GMRES forcing term
     structure: Any = None  # the solvers._sparse.Structure of jacobian="sparse"
+    tol: Any = None  # (rtol, atol): the residual test's per-equation tolerance
+
+    def residual_tolerance(self, x, jac):
+        """Per equation, ``sum_j |J_ij| (atol + rtol' |x_j|)`` (``rtol' = max(rtol,
+        16 eps)``, room for rounding): what a change of the unknowns within their own
+        tolerances can move ``F_i`` by. A residual above it is not a solution, however
+        small the step (an ill-conditioned ``J`` gives tiny Newton steps far from a
+        root). ``inf`` where the Jacobian is not formed (matrix-free, sparse)."""
+        if jac is None or self.tol is None:
+            return jnp.full_like(x, jnp.inf)
+        rtol, atol, size0 = self.tol
+        rtol = jnp.maximum(rtol, 16 * jnp.finfo(x.dtype).eps)
+        return _residual_tolerance(jac, x, rtol, atol, size0)
 
     def newton_step(self, x):
         """``(F(x), J(x)⁻¹ F(x), factors)``: ``J(x)`` factored as :meth:`reusable` takes it
@@ -465,13 +485,13 @@ class _Linear(NamedTuple):
         if self.jacobian == "dense":
             jac, fx = jax.jacfwd(lambda v: (lambda y: (y, y))(self.fn(v)), has_aux=True)(x)
             step, factors = _lu.factor_solve(jac, fx)
-            return fx, step, factors
+            return fx, step, factors, self.residual_tolerance(x, jac)
         if self.jacobian == "sparse":
             s = self.structure
             fx, factors = self.fn(x), s.factor(s.jacobian(self.fn, x))
-            return fx, s.solve(factors, fx), factors
+            return fx, s.solve(factors, fx), factors, self.residual_tolerance(x, None)
         fx = self.fn(x)
-        return fx, self.apply_inverse(x, fx), x
+        return fx, self.apply_inverse(x, fx), x, self.residual_tolerance(x, None)
 
     def reusable(self, factors):
         """:meth:`newton_step`'s factors in the form :meth:`apply_inverse` takes (dense:
@@ -502,9 +522,9 @@ def _newton(ops, history_size):
     def direction(state):
         x = state.x
         if ops.jacobian in ("dense", "sparse"):  # a factored Jacobian
-            fx, step, factors = ops.newton_step(x)
+            fx, step, factors, f_tol = ops.newton_step(x)
             kept = factors if ops.jacobian == "dense" else None  # (as newton_step's)
-            return fx, -step, jnp.bool_(True), state.eta, kept
+            return fx, -step, jnp.bool_(True), state.eta, kept, f_tol
         fx, matvec = jax.linearize(ops.fn, x)
         # Eisenstat–Walker (choice 2) forcing term: loose far from the root, tight near it.
         eta_prev, fnorm_prev = state.eta
@@ -513,7 +533,8 @@ def _newton(ops, history_size):
         safeguard = 0.9 * eta_prev**2
         new = jnp.where(safeguard > 0.1, jnp.maximum(new, safeguard), new)
         new = jnp.where(fnorm_prev > 0, jnp.clip(new, ops.eta_min, _ETA_MAX), _ETA_MAX)
-        return fx, -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None
+        return (fx, -_gmres(matvec, fx, new), jnp.bool_(True), (new, fnorm), None,
+                ops.residual_tolerance(x, None))
 
     def update(state, quasi, x, fx, d, moved, halved, small):
         return quasi  # dense: the last factored Jacobian (the adjoint's preconditioner)
@@ -541,20 +562,21 @@ def _quasi_direction(ops):
         q = state.quasi
 
         def refreshed(_):
-            fx, step, factors = ops.newton_step(state.x)
+            fx, step, factors, f_tol = ops.newton_step(state.x)
             return (fx, -step, ops.reusable(factors), jnp.zeros_like(q.s),
-                    jnp.zeros_like(q.u), jnp.int32(0))
+                    jnp.zeros_like(q.u), jnp.int32(0), f_tol)
 
-        def kept(_):
-            return state.fx, q.d, q.factors, q.s, q.u, q.k
+        def kept(_):  # (the residual tolerance of the Jacobian's point)
+            return state.fx, q.d, q.factors, q.s, q.u, q.k, state.f_tol
 
         # Under shard_map, a parameter that does not vary over the mesh is mixed with the
         # varying iterate inside `refreshed`; a vmapped cond (a select) would cast it to
         # varying first, which JAX 0.10 refuses there (see _sharding.cond_once). On an
         # Explicit mesh the cond works (the loop form fails there).
-        fx, d, factors, s, u, k = _sharding.cond_once(q.refresh, refreshed, kept, None,
-                                                      explicit=False)
-        return fx, d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k)
+        fx, d, factors, s, u, k, f_tol = _sharding.cond_once(q.refresh, refreshed, kept,
+                                                             None, explicit=False)
+        return (fx, d, q.refresh, state.eta, q._replace(d=d, factors=factors, s=s, u=u, k=k),
+                f_tol)
 
     return direction
 
@@ -638,12 +660,12 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
             jnp.bool_(False), zero - 1, zero, eta if ops.jacobian == "matfree" else None,
             init_quasi(x0), jnp.zeros((_WINDOW,), dtype), zero, zero + jnp.inf,
             jnp.bool_(False), x0 if bounded else None,
-            jnp.zeros_like(x0) if bounded else None,
+            jnp.zeros_like(x0) if bounded else None, jnp.full_like(x0, jnp.inf),
         )
 
     def step(state):
         x = state.x
-        fx, d, fresh, eta, quasi = direction(state)
+        fx, d, fresh, eta, quasi, f_tol = direction(state)
         f_max = _runner.max_norm(fx)  # NaN if any entry is (also across devices)
         f_ok = jnp.isfinite(f_max)
         # At an exact root the step is zero, whatever the Jacobian there.
@@ -654,7 +676,8 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
         # a fast-converging iteration stops a step earlier; never more than |d|. Each
         # unknown is judged in its own scale (see _scaled_step).
-        scaled, scale = _scaled_step(x, d, rtol, atol)
+        atol_x = _effective_atol(x, rtol, atol, ops.tol[2])
+        scaled, scale = _scaled_step(x, d, rtol, atol_x)
         rate = scaled / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
         relative = scaled * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
@@ -730,7 +753,15 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # Not where |F| is merely down to rtol times its value at the guess: from a far
         # guess that is no bound at all (Broyden 'converged' on Brown's almost-linear
         # system, n = 30 from 10x its start, at |F| = 9.8e5 under rtol |F(x0)| = 2.8e8).
-        confirmed = fresh | halved | (f_max == 0)
+        # And never where a residual, equation by equation, is above what the unknowns'
+        # tolerances can account for (_Linear.residual_tolerance; f_tol is F's size, so
+        # the test does not depend on how F is scaled): a tiny step from an
+        # ill-conditioned J far from a root (Morgan's combustion system, unknowns
+        # 1e-7..1e-5: three 'converged' points whose equilibrium rows were off by far
+        # more than their terms' size times the tolerance).
+        f_tol = f_tol.astype(dtype)
+        residual_ok = jnp.all(jnp.abs(f_next) <= f_tol)
+        confirmed = (fresh | halved | (f_max == 0)) & residual_ok
         if quasi is not None:
             quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved, halved,
                            d_ok & (estimate <= 1) & ~confirmed)
@@ -752,7 +783,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
             f_start=f_start.astype(dtype),
             full_step=full_step, eta=eta, quasi=quasi, f_window=window.astype(dtype),
             f_best=jnp.minimum(f_best, f_next_norm).astype(dtype),
-            radius=jnp.asarray(radius, dtype), improved=improved,
+            radius=jnp.asarray(radius, dtype), improved=improved, f_tol=f_tol,
         )
 
     def terminate(state):
@@ -775,13 +806,14 @@ class _Trust(NamedTuple):
     status: Any
     error: Any
     scale: Any
+    residual_ok: Any  # |F_i| within each equation's tolerance (_Linear.residual_tolerance)
 
 
 _TRUST_ACCEPT = 1e-4  # accept a step whose actual reduction is this share of the predicted
 _TRUST_RADIUS0 = 100.0  # initial radius: this times |x0| (or this if x0 = 0), as hybr
 
 
-def _dogleg(fn, project, rtol, atol):
+def _dogleg(fn, project, rtol, atol, size0):
     """Powell's dogleg trust region on ``|F|²`` with a fresh dense Jacobian at every
     accepted point (as MINPACK's ``hybrj``, without its Broyden updates).
 
@@ -809,7 +841,8 @@ def _dogleg(fn, project, rtol, atol):
         big = jnp.asarray(jnp.finfo(dtype).max, dtype)
         zero = jnp.zeros((), dtype)
         return _Trust(x0, jnp.zeros_like(x0), jnp.zeros((n, n), dtype), jnp.zeros_like(x0),
-                      zero, jnp.bool_(False), jnp.int32(_status.RUNNING), big, zero)
+                      zero, jnp.bool_(False), jnp.int32(_status.RUNNING), big, zero,
+                      jnp.bool_(False))
 
     def proposal(state):
         """The dogleg step for the state's trust region, and its 2-norm."""
@@ -854,15 +887,20 @@ def _dogleg(fn, project, rtol, atol):
         status = jnp.where(~jnp.isfinite(f_max), _status.NONFINITE,
                            jnp.where(stuck, _status.NO_DECREASE, _status.RUNNING))
         big = jnp.finfo(x.dtype).max
+        atol_x = _effective_atol(x, rtol, atol, size0)
         scaled, scale = _scaled_step(x, jnp.where(jnp.isfinite(step_size), newton, 0.0),
-                                     rtol, atol)
+                                     rtol, atol_x)
         error = jnp.where(jnp.isfinite(step_size), scaled * (atol + rtol * scale), big)
         error = error.astype(x.dtype)
+        # The residual test of _method's (see _Linear.residual_tolerance).
+        r_tol = _residual_tolerance(jac, x, jnp.maximum(rtol, 16 * eps), atol, size0)
+        residual_ok = jnp.all(jnp.abs(fx) <= r_tol)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
-                      error, scale.astype(x.dtype))
+                      error, scale.astype(x.dtype), residual_ok)
 
     def terminate(state):
-        return _runner.Progress(state.error, state.scale, state.status)
+        return _runner.Progress(state.error, state.scale, state.status,
+                                confirmed=state.residual_ok)
 
     return _runner.Method(init, step, terminate, warmup=True)
 
@@ -900,6 +938,25 @@ def dogleg_step(g, newton, jac, radius):
     dog = cauchy + jnp.clip(tau, 0.0, 1.0) * d
     return jnp.where(newton_ok & (n_norm <= radius), newton,
                      jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
+
+
+def _effective_atol(x, rtol, atol, size0):
+    """``min(atol, rtol max(max|x|, max|x0|))`` (``atol`` where both are 0): the absolute
+    tolerance of each unknown, no coarser than ``rtol`` times the unknowns' size (the
+    automatic scale of the unknowns, as MINPACK's ``xtol |D x|``). Changes nothing where
+    the unknowns are of the order ``atol / rtol`` or larger."""
+    top = jnp.maximum(_runner.max_norm(x), size0)
+    return jnp.where(top > 0, jnp.minimum(atol, rtol * top), atol).astype(x.dtype)
+
+
+def _residual_tolerance(jac, x, rtol, atol, size0):
+    """``|J| (atol + rtol |x|)``, row by row (see :meth:`_Linear.residual_tolerance`)."""
+    # The absolute part no larger than rtol times the unknowns' size (the largest of
+    # the iterate and the guess, as MINPACK's xtol |D x|): unknowns of 1e-7 from a guess
+    # of 1e-5 are not settled by atol = 1e-10 (their equations' terms are that small
+    # too). Where both are 0, atol.
+    w = _effective_atol(x, rtol, atol, size0) + rtol * jnp.abs(x)
+    return _sharding.dot(jnp.abs(jac), w).astype(x.dtype)
 
 
 def _scaled_step(x, d, rtol, atol):
