@@ -476,7 +476,8 @@ class _Linear(NamedTuple):
             return jnp.full_like(x, jnp.inf)
         rtol, atol, size0 = self.tol
         rtol = jnp.maximum(rtol, 16 * jnp.finfo(x.dtype).eps)
-        return _residual_tolerance(jac, x, rtol, atol, size0)
+        # (split as x is: on an Explicit mesh the gathered Jacobian's product is not)
+        return _sharding.split_like(_residual_tolerance(jac, x, rtol, atol, size0), x)
 
     def newton_step(self, x):
         """``(F(x), J(x)⁻¹ F(x), factors)``: ``J(x)`` factored as :meth:`reusable` takes it
