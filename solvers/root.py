@@ -474,10 +474,7 @@ class _Linear(NamedTuple):
         root). ``inf`` where the Jacobian is not formed (matrix-free, sparse)."""
         if jac is None or self.tol is None:
             return jnp.full_like(x, jnp.inf)
-        rtol, atol, size0 = self.tol
-        rtol = jnp.maximum(rtol, 16 * jnp.finfo(x.dtype).eps)
-        # (split as x is: on an Explicit mesh the gathered Jacobian's product is not)
-        return _sharding.split_like(_residual_tolerance(jac, x, rtol, atol, size0), x)
+        return _residual_tolerance(jac, x, *self.tol)
 
     def newton_step(self, x):
         """``(F(x), J(x)⁻¹ F(x), factors)``: ``J(x)`` factored as :meth:`reusable` takes it
@@ -894,7 +891,7 @@ def _dogleg(fn, project, rtol, atol, size0):
         error = jnp.where(jnp.isfinite(step_size), scaled * (atol + rtol * scale), big)
         error = error.astype(x.dtype)
         # The residual test of _method's (see _Linear.residual_tolerance).
-        r_tol = _residual_tolerance(jac, x, jnp.maximum(rtol, 16 * eps), atol, size0)
+        r_tol = _residual_tolerance(jac, x, rtol, atol, size0)
         residual_ok = jnp.all(jnp.abs(fx) <= r_tol)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
                       error, scale.astype(x.dtype), residual_ok)
@@ -951,13 +948,16 @@ def _effective_atol(x, rtol, atol, size0):
 
 
 def _residual_tolerance(jac, x, rtol, atol, size0):
-    """``|J| (atol + rtol |x|)``, row by row (see :meth:`_Linear.residual_tolerance`)."""
+    """``|J| (atol + rtol' |x|)``, row by row, ``rtol' = max(rtol, 16 eps)`` (see
+    :meth:`_Linear.residual_tolerance`), split as ``x`` is (on an Explicit mesh the
+    gathered Jacobian's product is not)."""
+    rtol = jnp.maximum(rtol, 16 * jnp.finfo(x.dtype).eps)
     # The absolute part no larger than rtol times the unknowns' size (the largest of
     # the iterate and the guess, as MINPACK's xtol |D x|): unknowns of 1e-7 from a guess
     # of 1e-5 are not settled by atol = 1e-10 (their equations' terms are that small
     # too). Where both are 0, atol.
     w = _effective_atol(x, rtol, atol, size0) + rtol * jnp.abs(x)
-    return _sharding.dot(jnp.abs(jac), w).astype(x.dtype)
+    return _sharding.split_like(_sharding.dot(jnp.abs(jac), w).astype(x.dtype), x)
 
 
 def _scaled_step(x, d, rtol, atol):

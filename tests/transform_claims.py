@@ -31,39 +31,28 @@ TRANSFORMS = {
 
 _FORWARD = 'rule="jvp"'
 
+#: The claims of the solvers differentiated by the implicit function theorem; each row
+#: below takes a copy (one solver's claim changes in its own row: ``{**_IMPLICIT, ...}``).
+_IMPLICIT = {
+    "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
+    "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
+}
+
 #: Row -> {transform: the option it needs (DEFAULT: none)}; a transform left out is not
 #: claimed (it raises, with a message naming what to do instead). A row names one or
 #: more public functions (``"bisection, chandrupatla"``): a test of any of them counts.
 CLAIMS: dict[str, dict[str, str]] = {
-    "fixed_point": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
-    "root, newton": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
-    "bisection, chandrupatla": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
-    "minimize": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
-    "least_squares": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
+    "fixed_point": dict(_IMPLICIT),
+    "root, newton": dict(_IMPLICIT),
+    "bisection, chandrupatla": dict(_IMPLICIT),
+    "minimize": dict(_IMPLICIT),
+    "least_squares": dict(_IMPLICIT),
     "odeint": {
         "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
         "grad(grad)": 'adjoint="backsolve"',  # the default adjoint raises (first order)
         "jvp, jacfwd": 'adjoint="forward"', "hessian": 'adjoint="forward"',
     },
-    "custom_root, custom_fixed_point": {
-        "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": DEFAULT, "jvp, jacfwd": _FORWARD, "hessian": _FORWARD,
-    },
+    "custom_root, custom_fixed_point": dict(_IMPLICIT),
 }
 
 
