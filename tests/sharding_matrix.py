@@ -36,6 +36,7 @@ if __name__ == "__main__":  # not when collected by pytest: the flag is for this
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import time  # noqa: E402
 import functools  # noqa: E402
 import traceback  # noqa: E402
 
@@ -642,6 +643,7 @@ def main():
         for name in names.split(","):
             for mode in modes.split(","):
                 for check in checks:
+                    start = time.perf_counter()
                     try:
                         ok, detail = case(name, mode, check)
                     except Exception as err:  # noqa: BLE001
@@ -649,7 +651,7 @@ def main():
                         if os.environ.get("SHARDING_TRACEBACK"):
                             traceback.print_exc()
                     table[name, mode, check] = ok
-                    detail = detail.replace("\n", " ")
+                    detail = detail.replace("\n", " ") + f" ({time.perf_counter() - start:.1f} s)"
                     print(f"CASE {name} {mode} {check} {'PASS' if ok else 'FAIL'} {detail}",
                           flush=True)
     print()

@@ -36,6 +36,12 @@ DRIFT_LIMIT = 100.0
 
 #: The discrete adjoint's checkpoint slots (memory: this many states, whatever max_steps).
 NUM_CHECKPOINTS = 128
+#: ... and accepted steps between them where ``adjoint_window`` is not given.
+WINDOW = 32
+#: Where ``max_steps`` steps (state, cache, stage values where the method solves for them)
+#: fit in this many bytes and ``adjoint_window`` is not given, the discrete adjoint's
+#: forward pass keeps every accepted step instead, and nothing is replayed.
+KEEP_BYTES = 4 << 20
 
 #: The discrete adjoint fails (status gradient_error) when its estimate of the gradient's
 #: error (:func:`_discrete_bwd`) exceeds this fraction of the gradient.
@@ -150,7 +156,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     DAE's consistent slope), for the output times' cotangents (discrete adjoint only).
     """
 
-    def run(z0, ts, theta, const, ctl, ev, checkpoint=None):
+    def run(z0, ts, theta, const, ctl, ev, checkpoint=None, keep=None):
         rtol, atol, _, _, h0, budget = ctl
 
         def rhs(u, s):
@@ -163,11 +169,11 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
         out = _integrate.integrate(
             stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
-            checkpoint=checkpoint, progress=progress, record=record, **kw,
+            checkpoint=checkpoint, progress=progress, record=record, keep=keep, **kw,
         )
         rest = out[2:]
         ck = None
-        if checkpoint:
+        if checkpoint or keep:
             ck, rest = rest[0], rest[1:]
         return out[0], out[1], tuple(rest), ck
 
@@ -178,16 +184,34 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_fwd(z0, ts, theta, const, ctl, ev):
         if adjoint == "discrete":
-            # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
-            # when there are more than NUM_CHECKPOINTS of them), for the replay.
-            checkpoint = (window, NUM_CHECKPOINTS)
-            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint)
+            keep = _keep(z0, ts, theta, const)
+            # Every accepted step, or checkpoints of the loop every `window` accepted steps
+            # (or 2x, 4x, ... that when there are more than NUM_CHECKPOINTS of them), for
+            # the replay.
+            checkpoint = None if keep else (window or WINDOW, NUM_CHECKPOINTS)
+            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint,
+                                      keep=keep)
             res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status, stats.t)
             return (zs, stats, *rest), res
         # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
         # uses this rule again instead of the stepping loop.
         out = solve(z0, ts, theta, const, ctl, ev)
         return out, (out[0], ts, theta, const, ctl)
+
+    def _keep(z0, ts, theta, const):
+        """``(rows, with_ks)`` where every accepted step is kept (``window=None`` and
+        ``max_steps`` of them fit in KEEP_BYTES), else None."""
+        if window is not None or max_steps is None:
+            return None
+        stepper = make_stepper(lambda u, s: G(u, s, theta, const), n_ctrl, rtol=1.0, atol=1.0)
+        cache = jax.eval_shape(stepper.init, ts[0], z0)
+        with_ks = stepper.diff_step is not None
+        stages = len(stepper.dense)
+        rows = int(max_steps) + 1
+        size = 3 + z0.size * (1 + stages * with_ks) + sum(c.size for c in jax.tree.leaves(cache))
+        if rows * size * z0.dtype.itemsize > KEEP_BYTES:
+            return None
+        return rows, with_ks
 
     def G_adjoint(u2, r, theta2, const):
         # The augmented system in reversed time r = -s: (u, λ_u)' = (-G_u, (∂G/∂u)ᵀ λ) and
@@ -305,12 +329,13 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     def solve_bwd(res, cotangents):
         if adjoint == "discrete":
             return (*_discrete_bwd(
-                make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
+                make_stepper, G, res, cotangents[0], window or WINDOW, on_failure=on_failure,
                 report=report, slope=slope,
             ), None)
         if adjoint == "interpolate":
             return (*_interpolating_bwd(
-                make_stepper, G, res, cotangents[0], window, on_failure=on_failure, report=report
+                make_stepper, G, res, cotangents[0], window or WINDOW, on_failure=on_failure,
+                report=report,
             ), None)
         zs, ts, theta, const, ctl = res
         gz = cotangents[0]
@@ -486,20 +511,22 @@ def _diff_step(stepper):
 def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope=None):
     """The discrete adjoint: the exact derivative of the computed outputs.
 
-    The forward pass saved its loop carry (controller, state, cache) every ``window``
-    accepted steps. Segment by segment (last first), the steps are replayed from the
-    checkpoint with the forward's own step function (:func:`_integrate._attempt`), so the
-    same steps are taken, and the accepted ones are kept (``window`` of them); then the
-    cotangent runs back through them, one ``jax.vjp`` of each step (the step sizes and
-    times are held fixed; an implicit method's stage equations are differentiated by the
-    implicit function theorem at the stage values it found). Output ``y(t_j)`` is the
-    continuous extension of the step containing ``t_j`` (or the state at its end), as in
-    the forward loop, so its cotangent enters through that step. Nothing is integrated
-    backwards: stable for any stiffness, and the result does not depend on ``window``
-    (memory only: ``NUM_CHECKPOINTS`` = 128 checkpoints, whatever ``max_steps``, plus
-    ``window`` steps; past 128 x ``window`` steps the checkpoints thin out to every
-    2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed from the
-    nearest one: up to that spacing in extra replayed steps per block).
+    Where the forward pass kept every accepted step (``ck`` the rows ``(s, h, s1, z, cache,
+    ks)``: ``make_solve``'s ``_keep``), the cotangent runs back through them (below) and
+    nothing is replayed. Otherwise the forward pass saved its loop carry (controller, state,
+    cache) every ``window`` accepted steps. Segment by segment (last first), the steps are
+    replayed from the checkpoint with the forward's own step function
+    (:func:`_integrate._attempt`), so the same steps are taken, and the accepted ones are
+    kept (``window`` of them); then the cotangent runs back through them, one ``jax.vjp`` of
+    each step (the step sizes and times are held fixed; an implicit method's stage equations
+    are differentiated by the implicit function theorem at the stage values it found).
+    Output ``y(t_j)`` is the continuous extension of the step containing ``t_j`` (or the
+    state at its end), as in the forward loop, so its cotangent enters through that step.
+    Nothing is integrated backwards: stable for any stiffness, and the result does not
+    depend on ``window`` (memory only: ``NUM_CHECKPOINTS`` = 128 checkpoints, whatever
+    ``max_steps``, plus ``window`` steps; past 128 x ``window`` steps the checkpoints thin
+    out to every 2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed
+    from the nearest one: up to that spacing in extra replayed steps per block).
     """
     zs, ts, theta, const, ctl, ck, n_acc, forward_status, t_last = jax.tree.map(
         jax.lax.stop_gradient, res
@@ -528,15 +555,19 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             return t_end
         return ts[jnp.minimum(jnp.searchsorted(ts, s, side="right"), T - 1)]
 
-    bufs, spacing = ck
-    num_slots = bufs[1].shape[0]
+    kept = len(ck) == 6  # every accepted step, (s, h, s1, z, cache, ks) (else checkpoints)
     Controller = _integrate.Controller
-    cache_like = jax.tree.map(lambda b: b[0], bufs[2])
     stages = dense.shape[1]
-
-    # Rows a block may keep: W, and a few more where the replay takes more steps to land
-    # than the forward did (see replay).
-    R = W + 2 + W // 16
+    if kept:
+        cache_like = jax.tree.map(lambda b: b[0], ck[4])
+        R = ck[0].shape[0] - 1  # (and a spare)
+    else:
+        bufs, spacing = ck
+        num_slots = bufs[1].shape[0]
+        cache_like = jax.tree.map(lambda b: b[0], bufs[2])
+        # Rows a block may keep: W, and a few more where the replay takes more steps to
+        # land than the forward did (see replay).
+        R = W + 2 + W // 16
 
     def replay(blk):
         """The accepted steps ``blk·W ..``: ``(ok, count, buf)``, replayed from the last
@@ -651,21 +682,20 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     def back_step(carry, buf):
         """One trip of the backward loop: one ``jax.vjp`` of ``step_fn``.
 
-        ``carry = (k, mode, j, states, adj)``: steps ``0 .. k-1`` of the segment remain,
-        the cotangents are ``adj``; ``states`` holds the steps' start states and caches
-        (rows ``0 .. R-1``, from the replay) and a refined step's substep states (rows
-        ``R ..``: the replay's unread row ``R`` and ``REFINE - 1`` more). In mode ``STEP``
-        the trip differentiates step ``k - 1``. Where its adjoint's own error estimate is
-        too large (explicit methods), the step is
-        differentiated as ``REFINE`` equal substeps instead, by the same vjp on the trips
-        that follow (one program: a loop of the substeps' own vjp cost more to compile
-        than the rest of the backward pass, and ran for every element under vmap):
-        ``SUB_FWD`` trips take the substeps forwards (substep ``j + 1``'s start to row
-        ``R + j``), ``SUB_BWD`` trips take the cotangent back through them, and a
-        ``DENSE`` trip adds the cotangents of the outputs inside the step, which still
-        come from the step's own continuous extension, and finishes the step.
+        ``carry = (k, mode, j, sub, adj)``: steps ``0 .. k-1`` of the segment remain
+        (``buf``'s rows: the replay's, or every step the forward pass kept), the cotangents
+        are ``adj``; ``sub`` holds a refined step's substep states. In mode ``STEP`` the
+        trip differentiates step ``k - 1``. Where its adjoint's own error estimate is too
+        large (explicit methods), the step is differentiated as ``REFINE`` equal substeps
+        instead, by the same vjp on the trips that follow (one program: a loop of the
+        substeps' own vjp cost more to compile than the rest of the backward pass, and ran
+        for every element under vmap): ``SUB_FWD`` trips take the substeps forwards (substep
+        ``j + 1``'s start to ``sub``'s row ``j``), ``SUB_BWD`` trips take the cotangent back
+        through them, and a ``DENSE`` trip adds the cotangents of the outputs inside the
+        step, which still come from the step's own continuous extension, and finishes the
+        step.
         """
-        k, mode, j, states, adj = carry
+        k, mode, j, sub, adj = carry
         lam_z, lam_cache, theta_bar, mu_z, mu_cache, err_bar, size = adj
         s, h, s1, _, _, ks = _row(buf, k - 1)
         exact = (ts == s1).astype(dtype)
@@ -675,13 +705,12 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         step, fwd, bwd, dense_only = (mode == m for m in (STEP, SUB_FWD, SUB_BWD, DENSE))
         # An output at the step's end enters once, at the start of the step's trips.
         lam_z1 = lam_z + _small.matmul(exact * step, gz)
-        row = k - 1
+        z, cache = _row(buf[3:5], k - 1)
         if explicit:  # (the substeps' start, size and state on SUB_* trips)
             on_sub = fwd | bwd
             hs = h / REFINE
             s, h = jnp.where(on_sub, s + j * hs, s), jnp.where(on_sub, hs, h)
-            row = jnp.where(on_sub & (j > 0), R - 1 + j, row)
-        z, cache = _row(states, row)
+            z, cache = where(on_sub & (j > 0), _row(sub, jnp.maximum(j - 1, 0)), (z, cache))
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         zero_w = _sharding.zeros_like(weights)
         zero_e = zero_z if with_err else None
@@ -722,7 +751,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             refine = step & (adjoint_error_ratio(out, dz, lam_z1, s, z) > REFINE_LIMIT)
             # A SUB_FWD trip keeps its end (the next substep's start); the others write
             # the spare last row.
-            states = _integrate.write_row(states, R + j, fwd, (z1, cache1))
+            sub = _integrate.write_row(sub, j, fwd, (z1, cache1))
             mode, j = next_trip(mode, j, refine)
         # The cotangents: replaced by the vjp's (a step, or a substep backwards), added
         # to (a DENSE trip), or kept (a refined step's first trip keeps its end's output
@@ -737,20 +766,25 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         dtheta = _flat(dtheta, dtype) * (take | dense_only)
         adj = (lam_z, lam_cache, theta_bar + dtheta, mu_z, mu_cache,
                err_bar + derr * plain, size + jnp.linalg.norm(dtheta))
-        return k - done, mode, j, states, adj
+        return k - done, mode, j, sub, adj
 
     def back_steps(count, buf, adj):
         """The cotangents ``adj`` back through the segment's ``count`` steps."""
-        states = buf[3:5]
-        if explicit:  # (rows for a refined step's substep states, after the replay's R + 1)
-            states = jax.tree.map(
-                lambda b: jnp.concatenate([b, _sharding.rows_like(b[0], REFINE - 1)]), states)
-        init = (count, jnp.asarray(STEP, i32), jnp.zeros((), i32), states, adj)
+        # (a refined step's substep states: REFINE - 1 rows and a spare; the steps' rows
+        # are read only, and written to in no loop: a loop that wrote to them copied them
+        # whole on every trip)
+        sub = None
+        if explicit:
+            sub = jax.tree.map(lambda b: _sharding.rows_like(b[0], REFINE), buf[3:5])
+        init = (count, jnp.asarray(STEP, i32), jnp.zeros((), i32), sub, adj)
         return _sharding.while_loop(lambda c: c[0] > 0, lambda c: back_step(c, buf), init)[4]
 
     def segment(carry):
         c, adj, status, t_fail = carry
-        ok, count, buf = replay(c)
+        if kept:
+            ok, count, buf = jnp.ones((), bool), n_acc, ck
+        else:
+            ok, count, buf = replay(c)
         adj = back_steps(count, buf, adj)
         lam_z, theta_bar = adj[0], adj[2]
         # The replay did not reach the block's end (never expected), or the cotangent
@@ -775,7 +809,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         jnp.asarray(_integrate.NOT_FAILED, i32),
         ts[0],
     )
-    _, adj, status, t_fail = _sharding.while_loop(lambda c: c[0] >= 0, segment, init)
+    if kept:  # (one segment: every step)
+        _, adj, status, t_fail = segment(init)
+    else:
+        _, adj, status, t_fail = _sharding.while_loop(lambda c: c[0] >= 0, segment, init)
     lam_z, lam_cache, theta_bar, mu_z, mu_cache, err_bar, size = adj
     # The first cache (the derivative at y0) is a function of y0 and the parameters.
     _, vjp = jax.vjp(
