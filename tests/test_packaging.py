@@ -7,6 +7,7 @@ environment's, reached through a ``.pth`` file (its site directory's own ``.pth`
 among them the editable install of the checkout, are not processed from there, so
 ``solvers`` can only come from the wheel)."""
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -15,13 +16,16 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: pip's environment without PYTHONPATH: pointing at a checkout (its egg-info), it made
+#: pip take the package for installed already in the fresh venv, and skip the wheel.
+PIP_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def test_wheel_installs_into_a_fresh_venv(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "--no-index", "-q", "-w", str(dist), str(ROOT)],
-                   check=True, capture_output=True, text=True, timeout=300)
+                   check=True, capture_output=True, text=True, timeout=300, env=PIP_ENV)
     (wheel,) = dist.glob("implicit_solvers-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -36,7 +40,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     python = env_dir / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
                     "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=300)
+                   check=True, capture_output=True, text=True, timeout=300, env=PIP_ENV)
     site = Path(subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True).stdout.strip())
