@@ -199,3 +199,20 @@ def test_citation_version_is_the_package_version():
     assert re.search(rf"version = \{{{re.escape(version)}\}}", home), (
         f"docs/index.md's Citing entry: set version to {{{version}}} (pyproject.toml)"
     )
+
+
+#: The longest code line a page may show: wider blocks scroll sideways on a phone
+#: (measured in the browser review at 390 px) and hide the end of the line.
+CODE_LINE_LIMIT = 88
+
+
+def test_code_lines_fit_a_phone():
+    long = []
+    for path in DOC_FILES:
+        inside = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside = not inside
+            elif inside and len(line) > CODE_LINE_LIMIT:
+                long.append(f"{path.relative_to(ROOT)}:{number} ({len(line)} characters)")
+    assert not long, "\n".join(long)
