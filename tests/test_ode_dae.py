@@ -95,8 +95,9 @@ def test_linear_dae_gradients(x64):
         return jnp.sum(ys[1:] ** 2)
 
     p = (1.0, 2.0, 1.5)
-    grad = jax.grad(loss, (0, 1, 2))(*p)
-    fwd = jax.jacfwd(lambda *q: loss(*q, adjoint="forward_adaptive"), (0, 1, 2))(*p)
+    # (under jit: eagerly, the backward pass compiles each of its operations apart)
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))(*p)
+    fwd = jax.jit(jax.jacfwd(lambda *q: loss(*q, adjoint="forward_adaptive"), (0, 1, 2)))(*p)
     eps = 1e-5
 
     def exact(a, b, y10):

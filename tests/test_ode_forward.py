@@ -150,7 +150,6 @@ def test_linear_system_sensitivities_match_expm(x64, method):
     np.testing.assert_allclose(dA, expected, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.transforms("odeint", "hessian", option='adjoint="forward"')
 @pytest.mark.parametrize("method", FAST_METHODS)
 def test_hessian_matches_closed_form(x64, method):
     # y' = -k y²: y(T) = y0 / (1 + k y0 T); jax.hessian (forward over reverse) and
@@ -170,6 +169,41 @@ def test_hessian_matches_closed_form(x64, method):
     expected = jax.hessian(exact)(p)
     assert rel(jax.hessian(final)(p), expected) < 1e-7
     assert rel(jax.jacfwd(jax.jacfwd(final))(p), expected) < 1e-7
+
+
+def _rotation(y, t, a, b):  # y' = [[-a, b], [-b, -a]] y: y(t) = e^{-at} R(bt) y0
+    return jnp.stack([-a * y[0] + b * y[1], -b * y[0] - a * y[1]])
+
+
+@pytest.mark.transforms("odeint", "hessian")
+@pytest.mark.parametrize("method", ["dopri5", pytest.param("tsit5", marks=pytest.mark.slow)])
+def test_hessian_through_the_default_adjoint(x64, method):
+    # Forward over reverse through the discrete adjoint (its tangent-linear: a second-order
+    # adjoint), the steps held fixed: the Hessian of the computed map, so symmetric and
+    # equal to the forward sensitivities' (the same steps) to round-off, and to the closed
+    # form within 100x the tolerance; every step kept (the default) and checkpoints
+    # replayed (adjoint_window=4) alike. L = c·y(T) = e^{-aT} q(bT), q(θ) = c·R(θ) y0.
+    T, y0, c = 1.5, np.array([1.0, 0.5]), np.array([0.3, -0.7])
+
+    def loss(p, **kw):
+        ys = odeint(_rotation, jnp.asarray(y0), jnp.array([0.0, 0.5, T]), p[0], p[1],
+                    method=method, rtol=1e-10, atol=1e-12, **kw)
+        return jnp.dot(jnp.asarray(c), ys[-1])
+
+    a, b = 0.4, 1.3
+    rot = np.array([[np.cos(b * T), np.sin(b * T)], [-np.sin(b * T), np.cos(b * T)]])
+    drot = np.array([[-np.sin(b * T), np.cos(b * T)],
+                             [-np.cos(b * T), -np.sin(b * T)]])
+    q, dq, e = c @ rot @ y0, c @ drot @ y0, np.exp(-a * T)
+    exact = T**2 * e * np.array([[q, -dq], [-dq, -q]])
+    p = jnp.array([a, b])
+    H = jax.jit(jax.hessian(loss))(p)
+    H_window = jax.jit(jax.hessian(lambda p: loss(p, adjoint_window=4)))(p)
+    H_forward = jax.jit(jax.hessian(lambda p: loss(p, adjoint="forward")))(p)
+    assert rel(H, exact) < 1e-8
+    np.testing.assert_allclose(H, H.T, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(H_window, H, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(H_forward, H, rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.slow
@@ -239,13 +273,17 @@ def test_forward_mode_through_closures_and_pytrees(x64):
 
 
 def test_forward_mode_of_a_reverse_adjoint_names_the_option():
-    def final(y0):
-        return odeint(decay, y0, jnp.array([0.0, 1.0]), 0.5)[-1]
+    def final(y0, method="dopri5"):
+        return odeint(decay, y0, jnp.array([0.0, 1.0]), 0.5, method=method)[-1]
 
     with pytest.raises(TypeError, match="adjoint='forward'"):
         jax.jacfwd(final)(1.0)
+    # Second order through the default adjoint: forward over reverse with an explicit
+    # method (above); with an implicit one, and in reverse over reverse, refused.
     with pytest.raises(NotImplementedError, match="adjoint='forward'"):
-        jax.hessian(final)(1.0)
+        jax.hessian(lambda y0: final(y0, "kvaerno5"))(1.0)
+    with pytest.raises(ValueError, match="Reverse-mode differentiation"):
+        jax.grad(jax.grad(lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k)[-1]))(0.5)
     np.testing.assert_allclose(
         jax.hessian(lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k,
                                      adjoint="forward")[-1])(0.5),

@@ -8,8 +8,8 @@ and applies that transformation (its source calls ``jax.hessian(`` for ``"hessia
 etc.) with that option. A claim no test checks fails the suite.
 
 To change a claim, edit its cell here and mark the test that checks it; for example,
-once ``odeint``'s default adjoint supports second order, its ``"grad(grad)"`` cell
-becomes ``DEFAULT`` (and a test of it carries
+once ``odeint``'s default adjoint supports reverse over reverse, its ``"grad(grad)"``
+cell becomes ``DEFAULT`` (and a test of it carries
 ``@pytest.mark.transforms("odeint", "grad(grad)")``).
 """
 
@@ -49,8 +49,11 @@ CLAIMS: dict[str, dict[str, str]] = {
     "least_squares": dict(_IMPLICIT),
     "odeint": {
         "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        "grad(grad)": 'adjoint="backsolve"',  # the default adjoint raises (first order)
-        "jvp, jacfwd": 'adjoint="forward"', "hessian": 'adjoint="forward"',
+        # The default adjoint: second order forward over reverse (hessian) with the
+        # default (explicit) method; grad of grad raises (kvaerno5, bdf: hessian too,
+        # docs/ode.md).
+        "grad(grad)": 'adjoint="backsolve"',
+        "jvp, jacfwd": 'adjoint="forward"', "hessian": DEFAULT,
     },
     "custom_root, custom_fixed_point": dict(_IMPLICIT),
 }

@@ -32,7 +32,8 @@ Gradients
     the cotangent back through the steps (one
     ``jax.vjp`` per step, step sizes held fixed; an implicit method's stage equations by
     the implicit function theorem). Nothing is integrated backwards: stable for any
-    stiffness. First derivatives only.
+    stiffness. Second derivatives forward over reverse (``jax.hessian``) with the
+    explicit methods; reverse over reverse (``grad(grad)``) not.
   - ``adjoint="backsolve"``: the continuous adjoint ``a' = -(∂f/∂y)ᵀ a``,
     ``θ̄' = (∂f/∂θ)ᵀ a`` solved backwards with the forward method and the tolerances
     ``adjoint_rtol``/``adjoint_atol`` (default: the forward ones; the parameter

@@ -19,6 +19,8 @@ holds only the outputs, whatever the number of steps.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -115,21 +117,29 @@ def _unflat(flat, like):
     return jax.tree.unflatten(treedef, out)
 
 
-@jax.custom_jvp
-def _first_order_only(out, *dependencies):
+#: What to do for a second derivative the rule does not give.
+_HIGHER = ("pass adjoint='forward' (forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp "
+           "and grad of grad) or adjoint='backsolve' (reverse mode: grad of grad)")
+#: Why: the rules whose backward pass has no derivative of its own (see _first_order_only).
+FIRST_ORDER = {
+    "interpolate": "solvers.odeint: the interpolating adjoint gives first derivatives only",
+    "implicit": "solvers.odeint: the discrete adjoint (the default) gives second derivatives "
+                "(jax.hessian, jax.jacfwd of jax.grad) with the explicit methods (dopri5, "
+                "tsit5) only: with kvaerno5 and bdf its stage equations are differentiated "
+                "once (the implicit function theorem at a Jacobian held fixed)",
+}
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(why, out, *dependencies):
     return out
 
 
 @_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
+def _first_order_only_jvp(why, primals, tangents):
     # Reached by any derivative of a backward pass: reverse (grad of grad) linearises
     # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
-    raise NotImplementedError(
-        "solvers.odeint: the discrete adjoint (the default) and the interpolating adjoint "
-        "give first derivatives only; for higher derivatives pass adjoint='forward' "
-        "(forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp and grad of grad) or "
-        "adjoint='backsolve' (reverse mode: grad of grad)"
-    )
+    raise NotImplementedError(f"{FIRST_ORDER[why]}; for higher derivatives {_HIGHER}")
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
@@ -169,7 +179,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
         out = _integrate.integrate(
             stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
-            checkpoint=checkpoint, progress=progress, record=record, keep=keep, **kw,
+            checkpoint=checkpoint, progress=progress, record=record, keep=keep,
+            hold=adjoint == "discrete", **kw,
         )
         rest = out[2:]
         ck = None
@@ -459,7 +470,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
     z0_bar, ts_bar, theta_bar = _first_order_only(
-        (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
+        "interpolate", (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
     )
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
 
@@ -528,11 +539,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     out to every 2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed
     from the nearest one: up to that spacing in extra replayed steps per block).
     """
-    zs, ts, theta, const, ctl, ck, n_acc, forward_status, t_last = jax.tree.map(
-        jax.lax.stop_gradient, res
-    )
-    gz_in = gz
-    gz = jax.lax.stop_gradient(gz)
+    # (no stop_gradient: forward-over-reverse (jax.hessian) differentiates this pass,
+    # with the forward's steps held fixed: make_solve's run)
+    zs, ts, theta, const, ctl, ck, n_acc, forward_status, t_last = res
     rtol, atol, _, _, _, budget = ctl
     budget = jnp.asarray(budget, jnp.int32)
     dtype = zs.dtype
@@ -617,7 +626,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             ctrl = Controller.unpack(packed)
             new, z1, cache1, (accept, s, h, z_old, ks) = _integrate._attempt(
                 stepper, ctrl, z, cache, jnp.minimum(clip_of(ctrl.s), t_land), t_end,
-                budget, rtol, atol, n
+                budget, rtol, atol, n, hold=True,
             )
             row = ctrl.num_accepted - first
             keep = accept & (row >= 0) & (row < R)
@@ -842,7 +851,9 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     z0_bar, ts_bar, theta_bar = _finish(
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
-    z0_bar, ts_bar, theta_bar = _first_order_only(
-        (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
-    )
+    # An explicit method's pass is differentiated forwards (jax.hessian; grad of grad meets
+    # JAX's error for reverse mode through its loops); an implicit one's is not.
+    if not explicit:
+        z0_bar, ts_bar, theta_bar = _first_order_only(
+            "implicit", (z0_bar, ts_bar, theta_bar), *res[:3], gz)
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None

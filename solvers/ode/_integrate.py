@@ -428,13 +428,16 @@ def valid_times(ts):
 SNAP = 1e-6
 
 
-def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl):
+def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl, hold=False):
     """One attempted step from a :class:`Controller` (the body of every stepping loop).
 
     Returns ``(ctrl, z, cache, (accept, s, h, z_old, ks))``: the updated controller,
     state and cache, and what the step was (whether it was accepted, its start, size,
     initial state and stage derivatives). The forward loop and the discrete adjoint's
     replay both run this, so a replay from a saved carry retakes the same steps.
+    ``hold=True``: the step's start, size and end are constants to differentiation (the
+    discrete adjoint, whose derivatives hold the steps fixed, is itself differentiated
+    forwards by ``jax.hessian``; nothing else changes).
     """
     dtype = z.dtype
     i32 = jnp.int32
@@ -449,11 +452,13 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     last = (h * (1 + SNAP) >= remaining) | (s + h >= clip_to)
     h_proposed = h
     h = jnp.where(last, remaining, h)
+    s1 = jnp.where(last, clip_to, s + h)
+    if hold:
+        s, h, s1 = (jax.lax.stop_gradient(v) for v in (s, h, s1))
     z1, err, ks, cache_acc, cache_rej, ok, counts = stepper.step(s, z, cache, h)
     ratio = _control.error_ratio(err, z, z1, rtol, atol, n_ctrl)
     finite = jnp.isfinite(ratio) & jnp.isfinite(jnp.sum(z1))
     accept = ok & finite & (ratio <= 1)
-    s1 = jnp.where(last, clip_to, s + h)
     if stepper.control is None:
         factor = _control.pi_factor(
             ratio, ctrl.ratio_prev, accept, beta1=stepper.beta1, beta2=stepper.beta2
@@ -539,7 +544,8 @@ def _save_checkpoint(ck, hit, accepted, row, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None):
+         checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None,
+         hold=False):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -637,7 +643,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     )
 
     def attempt(ctrl, z, cache, clip_to):
-        return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl)
+        return _attempt(stepper, ctrl, z, cache, clip_to, ts[-1], budget, rtol, atol, n_ctrl,
+                        hold)
 
     def step_loop(target, carry):
         clip_to = target if (jumps or stepper.lands) else t_end
@@ -844,7 +851,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None):
+              checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None,
+              hold=False):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
     ``zs[0] = z0`` and ``zs[i]`` approximates ``z(ts[i])`` (NaN where not reached).
@@ -861,10 +869,14 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     ``log=M`` too, the events are non-terminal and an :class:`EventLog` is returned
     instead of the ``EventResult``. Several of these: ``(zs, Stats, EventResult, ck,
     Record, EventLog)``, leaving out those not asked for. ``progress``: see :func:`_run`.
+    ``keep=(rows, with_ks)``: also return (after the checkpoints) every accepted step's
+    ``(s, h, s1, z, cache, ks)`` in ``rows`` rows (a last spare row takes the rejected
+    steps; ``ks`` None unless ``with_ks``): the discrete adjoint's steps. ``hold``: see
+    :func:`_attempt`.
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
                 record=record, checkpoint=checkpoint, event=event, direction=direction,
-                progress=progress, log=log, keep=keep)
+                progress=progress, log=log, keep=keep, hold=hold)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):
