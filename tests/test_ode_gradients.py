@@ -209,40 +209,6 @@ def test_window_does_not_change_the_gradient(x64):
     assert relerr(grads[0][0], oracle(V, [-1.0, -1000.0], y0, c, 1.0)[0]) < CONTRACT
 
 
-@pytest.mark.parametrize("method, lams", [("dopri5", [-1.0, -10.0]),
-                                           ("kvaerno5", [-1.0, -1000.0]),
-                                           ("bdf", [-1.0, -1000.0])])
-def test_kept_steps_give_the_checkpointed_gradient(x64, method, lams):
-    # By default (adjoint_window=None), where max_steps steps fit in KEEP_BYTES, the
-    # forward pass keeps every step and nothing is replayed (a loop fewer in each pass:
-    # the program has fewer while loops); the gradient is the checkpointed one's, to
-    # round-off, and within the contract. Past KEEP_BYTES: checkpoints.
-    from solvers.ode import _adjoint
-
-    A, V, y0, c = linear_system(6, lams)
-
-    def grad(window, max_steps=2000):
-        def loss(A, y0):
-            ys = solvers.odeint(_linear, y0, jnp.array([0.0, 2.0]), A, method=method,
-                                rtol=RTOL, atol=ATOL, adjoint_window=window,
-                                max_steps=max_steps)
-            return jnp.dot(c, ys[-1])
-
-        return jax.grad(loss, argnums=(0, 1))
-
-    def loops(*args):
-        return str(jax.make_jaxpr(grad(*args))(A, y0)).count("while[")
-
-    checkpointed = loops(8)
-    assert loops(None) < checkpointed
-    # (max_steps rows past KEEP_BYTES)
-    assert loops(None, _adjoint.KEEP_BYTES // 8) == checkpointed
-    g_kept, g_ck = jax.jit(grad(None))(A, y0), jax.jit(grad(8))(A, y0)
-    for got, ref, exact in zip(g_kept, g_ck, oracle(V, lams, y0, c, 2.0)):
-        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
-        assert relerr(got, exact) < CONTRACT
-
-
 @pytest.mark.parametrize("method, window", [("dopri5", 8), ("kvaerno5", 4096), ("bdf", 8)])
 def test_a_replay_that_takes_other_steps_still_joins_the_forward(x64, monkeypatch, method,
                                                                   window):

@@ -27,9 +27,8 @@ Gradients
   ``f`` closes over:
 
   - ``adjoint="discrete"`` (default): the exact derivative of the computed outputs. The
-    forward pass keeps every accepted step (a small state) or a checkpoint every
-    ``adjoint_window`` accepted steps, whose segments the backward pass replays; it runs
-    the cotangent back through the steps (one
+    forward pass keeps a checkpoint every ``adjoint_window`` accepted steps; the backward
+    pass replays each segment's steps and runs the cotangent back through them (one
     ``jax.vjp`` per step, step sizes held fixed; an implicit method's stage equations by
     the implicit function theorem). Nothing is integrated backwards: stable for any
     stiffness. Second derivatives forward over reverse (``jax.hessian``) with the

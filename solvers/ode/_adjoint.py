@@ -38,12 +38,6 @@ DRIFT_LIMIT = 100.0
 
 #: The discrete adjoint's checkpoint slots (memory: this many states, whatever max_steps).
 NUM_CHECKPOINTS = 128
-#: ... and accepted steps between them where ``adjoint_window`` is not given.
-WINDOW = 32
-#: Where ``max_steps`` steps (state, cache, stage values where the method solves for them)
-#: fit in this many bytes and ``adjoint_window`` is not given, the discrete adjoint's
-#: forward pass keeps every accepted step instead, and nothing is replayed.
-KEEP_BYTES = 4 << 20
 
 #: The discrete adjoint fails (status gradient_error) when its estimate of the gradient's
 #: error (:func:`_discrete_bwd`) exceeds this fraction of the gradient.
@@ -166,7 +160,7 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     DAE's consistent slope), for the output times' cotangents (discrete adjoint only).
     """
 
-    def run(z0, ts, theta, const, ctl, ev, checkpoint=None, keep=None):
+    def run(z0, ts, theta, const, ctl, ev, checkpoint=None):
         rtol, atol, _, _, h0, budget = ctl
 
         def rhs(u, s):
@@ -179,12 +173,12 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         stepper = make_stepper(rhs, n_ctrl, rtol=rtol, atol=atol)
         out = _integrate.integrate(
             stepper, lambda u, s: rhs(u, s)[:n_ctrl], z0, ts, rtol, atol, h0, budget, n_ctrl,
-            checkpoint=checkpoint, progress=progress, record=record, keep=keep,
+            checkpoint=checkpoint, progress=progress, record=record,
             hold=adjoint == "discrete", **kw,
         )
         rest = out[2:]
         ck = None
-        if checkpoint or keep:
+        if checkpoint:
             ck, rest = rest[0], rest[1:]
         return out[0], out[1], tuple(rest), ck
 
@@ -195,34 +189,16 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_fwd(z0, ts, theta, const, ctl, ev):
         if adjoint == "discrete":
-            keep = _keep(z0, ts, theta, const)
-            # Every accepted step, or checkpoints of the loop every `window` accepted steps
-            # (or 2x, 4x, ... that when there are more than NUM_CHECKPOINTS of them), for
-            # the replay.
-            checkpoint = None if keep else (window or WINDOW, NUM_CHECKPOINTS)
-            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint,
-                                      keep=keep)
+            # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
+            # when there are more than NUM_CHECKPOINTS of them), for the replay.
+            checkpoint = (window, NUM_CHECKPOINTS)
+            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint)
             res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status, stats.t)
             return (zs, stats, *rest), res
         # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
         # uses this rule again instead of the stepping loop.
         out = solve(z0, ts, theta, const, ctl, ev)
         return out, (out[0], ts, theta, const, ctl)
-
-    def _keep(z0, ts, theta, const):
-        """``(rows, with_ks)`` where every accepted step is kept (``window=None`` and
-        ``max_steps`` of them fit in KEEP_BYTES), else None."""
-        if window is not None or max_steps is None:
-            return None
-        stepper = make_stepper(lambda u, s: G(u, s, theta, const), n_ctrl, rtol=1.0, atol=1.0)
-        cache = jax.eval_shape(stepper.init, ts[0], z0)
-        with_ks = stepper.diff_step is not None
-        stages = len(stepper.dense)
-        rows = int(max_steps) + 1
-        size = 3 + z0.size * (1 + stages * with_ks) + sum(c.size for c in jax.tree.leaves(cache))
-        if rows * size * z0.dtype.itemsize > KEEP_BYTES:
-            return None
-        return rows, with_ks
 
     def G_adjoint(u2, r, theta2, const):
         # The augmented system in reversed time r = -s: (u, λ_u)' = (-G_u, (∂G/∂u)ᵀ λ) and
@@ -340,12 +316,12 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     def solve_bwd(res, cotangents):
         if adjoint == "discrete":
             return (*_discrete_bwd(
-                make_stepper, G, res, cotangents[0], window or WINDOW, on_failure=on_failure,
+                make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
                 report=report, slope=slope,
             ), None)
         if adjoint == "interpolate":
             return (*_interpolating_bwd(
-                make_stepper, G, res, cotangents[0], window or WINDOW, on_failure=on_failure,
+                make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
                 report=report,
             ), None)
         zs, ts, theta, const, ctl = res
@@ -522,15 +498,13 @@ def _diff_step(stepper):
 def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope=None):
     """The discrete adjoint: the exact derivative of the computed outputs.
 
-    Where the forward pass kept every accepted step (``ck`` the rows ``(s, h, s1, z, cache,
-    ks)``: ``make_solve``'s ``_keep``), the cotangent runs back through them (below) and
-    nothing is replayed. Otherwise the forward pass saved its loop carry (controller, state,
-    cache) every ``window`` accepted steps. Segment by segment (last first), the steps are
-    replayed from the checkpoint with the forward's own step function
-    (:func:`_integrate._attempt`), so the same steps are taken, and the accepted ones are
-    kept (``window`` of them); then the cotangent runs back through them, one ``jax.vjp`` of
-    each step (the step sizes and times are held fixed; an implicit method's stage equations
-    are differentiated by the implicit function theorem at the stage values it found).
+    The forward pass saved its loop carry (controller, state, cache) every ``window``
+    accepted steps. Segment by segment (last first), the steps are replayed from the
+    checkpoint with the forward's own step function (:func:`_integrate._attempt`), so the
+    same steps are taken, and the accepted ones are kept (``window`` of them); then the
+    cotangent runs back through them, one ``jax.vjp`` of each step (the step sizes and
+    times are held fixed; an implicit method's stage equations are differentiated by the
+    implicit function theorem at the stage values it found).
     Output ``y(t_j)`` is the continuous extension of the step containing ``t_j`` (or the
     state at its end), as in the forward loop, so its cotangent enters through that step.
     Nothing is integrated backwards: stable for any stiffness, and the result does not
@@ -564,19 +538,15 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             return t_end
         return ts[jnp.minimum(jnp.searchsorted(ts, s, side="right"), T - 1)]
 
-    kept = len(ck) == 6  # every accepted step, (s, h, s1, z, cache, ks) (else checkpoints)
+    bufs, spacing = ck
+    num_slots = bufs[1].shape[0]
     Controller = _integrate.Controller
+    cache_like = jax.tree.map(lambda b: b[0], bufs[2])
     stages = dense.shape[1]
-    if kept:
-        cache_like = jax.tree.map(lambda b: b[0], ck[4])
-        R = ck[0].shape[0] - 1  # (and a spare)
-    else:
-        bufs, spacing = ck
-        num_slots = bufs[1].shape[0]
-        cache_like = jax.tree.map(lambda b: b[0], bufs[2])
-        # Rows a block may keep: W, and a few more where the replay takes more steps to
-        # land than the forward did (see replay).
-        R = W + 2 + W // 16
+
+    # Rows a block may keep: W, and a few more where the replay takes more steps to land
+    # than the forward did (see replay).
+    R = W + 2 + W // 16
 
     def replay(blk):
         """The accepted steps ``blk·W ..``: ``(ok, count, buf)``, replayed from the last
@@ -692,7 +662,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         """One trip of the backward loop: one ``jax.vjp`` of ``step_fn``.
 
         ``carry = (k, mode, j, sub, adj)``: steps ``0 .. k-1`` of the segment remain
-        (``buf``'s rows: the replay's, or every step the forward pass kept), the cotangents
+        (``buf``'s rows, from the replay), the cotangents
         are ``adj``; ``sub`` holds a refined step's substep states. In mode ``STEP`` the
         trip differentiates step ``k - 1``. Where its adjoint's own error estimate is too
         large (explicit methods), the step is differentiated as ``REFINE`` equal substeps
@@ -790,10 +760,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
 
     def segment(carry):
         c, adj, status, t_fail = carry
-        if kept:
-            ok, count, buf = jnp.ones((), bool), n_acc, ck
-        else:
-            ok, count, buf = replay(c)
+        ok, count, buf = replay(c)
         adj = back_steps(count, buf, adj)
         lam_z, theta_bar = adj[0], adj[2]
         # The replay did not reach the block's end (never expected), or the cotangent
@@ -818,10 +785,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         jnp.asarray(_integrate.NOT_FAILED, i32),
         ts[0],
     )
-    if kept:  # (one segment: every step)
-        _, adj, status, t_fail = segment(init)
-    else:
-        _, adj, status, t_fail = _sharding.while_loop(lambda c: c[0] >= 0, segment, init)
+    _, adj, status, t_fail = _sharding.while_loop(lambda c: c[0] >= 0, segment, init)
     lam_z, lam_cache, theta_bar, mu_z, mu_cache, err_bar, size = adj
     # The first cache (the derivative at y0) is a function of y0 and the parameters.
     _, vjp = jax.vjp(

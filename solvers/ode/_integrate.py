@@ -209,7 +209,6 @@ class Carry(NamedTuple):
     rec: Any  # Record ring buffer (``start`` unset) or None
     ck: Any = None  # checkpoints (packed controller, state, cache) every W accepted steps
     ev: Any = None  # EventCarry (events only)
-    steps: Any = None  # every accepted step (``keep``): (s, h, s1, z, cache, ks)
 
 
 class EventCarry(NamedTuple):
@@ -544,8 +543,7 @@ def _save_checkpoint(ck, hit, accepted, row, C):
 
 
 def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record=0, jump=None,
-         checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None,
-         hold=False):
+         checkpoint=None, event=None, direction="both", progress=None, log=0, hold=False):
     """The stepping loop behind :func:`integrate` and :func:`integrate_jumps`.
 
     A ``lax.scan`` over the output times, each running a ``lax.while_loop`` of steps until
@@ -658,15 +656,11 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             return go if stop_at is None else go & (ctrl.num_accepted < stop_at)
 
         def body(c):
-            ctrl, z, cache, last_step, rec, ck, ev, steps = c
+            ctrl, z, cache, last_step, rec, ck, ev = c
             ctrl = Controller.unpack(ctrl)
             # Under vmap the body also runs for the elements already done: not a step.
             active = going(ctrl) if progress is not None else None
-            row, cache_old = ctrl.num_accepted, cache
             ctrl, z, cache, (accept, s, h, z_old, ks) = attempt(ctrl, z, cache, clip_to)
-            if keep is not None:
-                steps = write_row(steps, row, accept,
-                                  (s, h, ctrl.s, z_old, cache_old, ks if keep[1] else None))
             if event is not None:
                 g1 = event(z, ctrl.s)
                 ok = jnp.all(jnp.isfinite(g1))
@@ -712,7 +706,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             if record:
                 new = Record(s, h, z_old, h * _small.matmul(dense, ks), None)
                 rec = write_row(rec, (ctrl.num_accepted - 1) % B, accept, new)
-            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev, steps)
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev)
 
         if not checkpoint:
             return _sharding.while_loop(cond, body, carry)
@@ -739,7 +733,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         # one fewer array to set up before the loop)
         j, target = x if jumps else (None, x)
         carry = step_loop(target, carry)
-        ctrl, z, cache, last_step, rec, ck, ev, steps = carry
+        ctrl, z, cache, last_step, rec, ck, ev = carry
         ctrl = Controller.unpack(ctrl)
         reached = (ctrl.s >= target) & valid
         if event is not None:  # past an event: filled in after the loop
@@ -753,7 +747,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             ctrl = ctrl._replace(
                 num_fevals=ctrl.num_fevals + interior.astype(i32) * stepper.init_counts[0]
             )
-            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev, steps), None
+            return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev), None
         y = last_step.z + _horner(
             last_step.h * _small.matmul(dense, last_step.ks), (target - last_step.s) / last_step.h
         )
@@ -768,20 +762,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             (ctrl.pack(), z0, cache),
         )
         ck = (bufs, jnp.asarray(W, i32))
-    steps = None
-    if keep is not None:
-        # Rows 0 .. keep[0]-1 (a step per accepted step; max_steps bounds them), and
-        # spares: the last takes the rejected steps (write_row).
-        rows, with_ks = keep
-        steps = (
-            jnp.zeros((rows,), dtype),
-            jnp.ones((rows,), dtype),
-            jnp.zeros((rows,), dtype),
-            _sharding.rows_like(z0, rows),
-            jax.tree.map(lambda v: _sharding.rows_like(v, rows), cache),
-            _sharding.rows_like(_sharding.rows_like(z0, stages), rows) if with_ks else None,
-        )
-    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck, ev, steps)
+    carry = Carry(ctrl.pack(), z0, cache, last_step, rec, ck, ev)
     carry, ys = _sharding.scan(per_time, carry,
                                (jnp.arange(1, T), ts[1:]) if jumps else ts[1:])
     ctrl, z, rec = Controller.unpack(carry.ctrl), carry.z, carry.rec
@@ -836,8 +817,6 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         out.append(event_result)
     if checkpoint:
         out.append(carry.ck)
-    if keep is not None:
-        out.append(carry.steps)
     if record:
         n_acc = ctrl.num_accepted
         # Oldest step first; with fewer than B steps the unused rows (s = inf) stay last.
@@ -851,7 +830,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
 
 
 def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
-              checkpoint=None, event=None, direction="both", progress=None, log=0, keep=None,
+              checkpoint=None, event=None, direction="both", progress=None, log=0,
               hold=False):
     """Integrate from ``ts[0]`` through ``ts[-1]``; return ``(zs, Stats)`` (and a Record).
 
@@ -869,14 +848,11 @@ def integrate(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, record=0,
     ``log=M`` too, the events are non-terminal and an :class:`EventLog` is returned
     instead of the ``EventResult``. Several of these: ``(zs, Stats, EventResult, ck,
     Record, EventLog)``, leaving out those not asked for. ``progress``: see :func:`_run`.
-    ``keep=(rows, with_ks)``: also return (after the checkpoints) every accepted step's
-    ``(s, h, s1, z, cache, ks)`` in ``rows`` rows (a last spare row takes the rejected
-    steps; ``ks`` None unless ``with_ks``): the discrete adjoint's steps. ``hold``: see
-    :func:`_attempt`.
+    ``hold``: see :func:`_attempt`.
     """
     return _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, mode="dense",
                 record=record, checkpoint=checkpoint, event=event, direction=direction,
-                progress=progress, log=log, keep=keep, hold=hold)
+                progress=progress, log=log, hold=hold)
 
 
 def integrate_jumps(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, jump):

@@ -101,7 +101,7 @@ def odeint(
     adjoint=None,
     adjoint_rtol=None,
     adjoint_atol=None,
-    adjoint_window=None,
+    adjoint_window=32,
     first_step=None,
     max_step=None,
     on_failure="raise",
@@ -136,16 +136,15 @@ def odeint(
     Gradients (reverse mode) with respect to ``y0``, ``ts``, every floating array in
     ``args`` and every traced value ``f`` closes over come from an adjoint rule. The
     default ``adjoint="discrete"`` gives the exact derivative of the computed outputs:
-    the forward pass keeps every accepted step where ``max_steps`` of them fit in 4 MiB
-    (a small state; else, or with ``adjoint_window`` given, a checkpoint every
-    ``adjoint_window`` accepted steps, from which the backward pass replays each
-    segment's steps), and the backward pass runs the cotangent back through them (one
-    ``jax.vjp`` per step, step sizes held fixed). Nothing is integrated backwards, so it
-    is stable for any stiffness, and its result does not depend on ``adjoint_window``
-    (memory: 128 checkpoints, whatever ``max_steps``, plus ``adjoint_window`` steps; past
-    128 x ``adjoint_window`` accepted steps the checkpoints thin out and blocks are
-    replayed from further back). ``jax.hessian`` (forward over reverse: the steps held
-    fixed) with ``dopri5`` and ``tsit5``; not ``grad(grad)``. On linear test
+    the forward pass keeps a checkpoint every ``adjoint_window`` accepted steps, and the
+    backward pass replays each segment's steps from its checkpoint and runs the cotangent
+    back through them (one ``jax.vjp`` per step, step sizes held fixed). Nothing is
+    integrated backwards, so it is stable for any stiffness, and its result does not
+    depend on ``adjoint_window`` (memory: 128 checkpoints, whatever ``max_steps``, plus
+    ``adjoint_window`` steps; past 128 x ``adjoint_window`` accepted steps the
+    checkpoints thin out and blocks are replayed from further back). ``jax.hessian``
+    (forward over reverse: the steps held fixed) with ``dopri5`` and ``tsit5``; not
+    ``grad(grad)``. On linear test
     problems with eigenvalues from -1 to -1e5 its relative error is within 100x ``rtol``
     (docs/ode.md: the error contract). ``adjoint="backsolve"`` is the continuous adjoint
     with the state integrated backwards (``adjoint_rtol``/``adjoint_atol``, by default
@@ -233,13 +232,10 @@ def odeint(
       adjoint_rtol, adjoint_atol: tolerances of the backward integration of the
         continuous adjoints (``"backsolve"``, ``"interpolate"``).
       adjoint_window: accepted steps between the discrete adjoint's checkpoints, and
-        forward steps the interpolating adjoint keeps at a time: memory and speed only
-        (the backward pass zeroes and fills a window's buffers per segment: smaller
-        windows waste less on short integrations; past 128 x ``adjoint_window``
-        accepted steps the checkpoints thin out and steps are replayed more). Default
-        None: the discrete adjoint keeps every step where ``max_steps`` of them fit in
-        4 MiB (per element under ``vmap``: pass a window to bound the memory of a large
-        batch), else 32, as the interpolating adjoint.
+        forward steps the interpolating adjoint keeps at a time (default 32): memory and
+        speed only (the backward pass zeroes and fills a window's buffers per segment:
+        smaller windows waste less on short integrations; past 128 x ``adjoint_window``
+        accepted steps the checkpoints thin out and steps are replayed more).
       first_step: initial step size (default: chosen automatically).
       max_step: the largest step size (``jax.experimental.ode.odeint``'s ``hmax``; default:
         unbounded), e.g. so that a short forcing pulse is not stepped over.
@@ -352,8 +348,7 @@ def odeint(
     if adjoint is None:
         adjoint = "discrete"
     _checks.check_choice(adjoint, "adjoint", ADJOINTS)
-    if adjoint_window is not None:
-        _checks.check_max_steps(adjoint_window, "adjoint_window")
+    _checks.check_max_steps(adjoint_window, "adjoint_window")
     if event is not None:
         _checks.check_callable(event, "event")
     _checks.check_choice(event_direction, "event_direction", EVENT_DIRECTIONS)
@@ -439,7 +434,7 @@ def odeint(
         f=f,
         method=method,
         adjoint=adjoint,
-        window=None if adjoint_window is None else int(adjoint_window),
+        window=int(adjoint_window),
         progress=progress,
         structure=structure,
         mass=mass,
