@@ -19,13 +19,36 @@ from solvers.ode import _small
 
 
 # The kernels under test, jitted once (module level): one program per shape and dtype,
-# shared by the examples and tests that use it. Eagerly, each of their operations was
-# compiled on its own.
+# shared by the examples and tests that use it (the factors and both solves in one, so
+# that a property test's sizes reuse the programs of the examples). Eagerly, each of their
+# operations was compiled on its own.
 _inverse = jax.jit(_lu.inverse)
-_solve_via_factor = jax.jit(lambda a, b: _lu.solve(_lu.factor(a), b))
-_solve_transpose_via_factor = jax.jit(lambda a, b: _lu.solve_transpose(_lu.factor(a), b))
-_iteration_solve = jax.jit(lambda a, b: _lu.iteration_solve(_lu.iteration_factor(a), b))
 _solve_positive_definite = jax.jit(_lu.solve_positive_definite)
+_matmul = jax.jit(_small.matmul)
+
+
+@jax.jit
+def _factor_solves(a, b):
+    """``(factor(a), a⁻¹ b, a⁻ᵀ b)`` from the factors."""
+    factors = _lu.factor(a)
+    return factors, _lu.solve(factors, b), _lu.solve_transpose(factors, b)
+
+
+@jax.jit
+def _iteration_factor_solve(a, b):
+    """``(iteration_factor(a), a⁻¹ b)`` from the factors."""
+    factors = _lu.iteration_factor(a)
+    return factors, _lu.iteration_solve(factors, b)
+
+
+@jax.jit
+def _factor_solve_forms(a, b, c, bs):
+    """factor_solve's ``a⁻¹ b``; its factors with the permutation formed, solving and
+    transpose-solving ``c``; factor_solve batched (vmap) over the rows of ``bs``."""
+    x, factors = _lu.factor_solve(a, b)
+    factors = _lu.with_permutation(factors)
+    xs = jax.vmap(lambda v: _lu.factor_solve(a, v)[0])(bs)
+    return x, _lu.solve(factors, c), _lu.solve_transpose(factors, c), xs
 
 
 def _matrix(n, seed, dominance=3.0):
@@ -37,12 +60,11 @@ def _matrix(n, seed, dominance=3.0):
 def test_iteration_factor_solves_like_numpy(x64, n):
     a = _matrix(n, n)
     b = np.random.default_rng(n + 1).standard_normal(n)
-    factors = _lu.iteration_factor(jnp.asarray(a))
+    factors, x = _iteration_factor_solve(a, b)
     # An inverse (one factor) up to INVERSE_MAX, the LU and its permutation past it;
     # every leaf floating (bdf's cache is differentiated through).
     assert len(factors) == (1 if n <= _lu.INVERSE_MAX else 2)
     assert all(jnp.issubdtype(f.dtype, jnp.floating) for f in factors)
-    x = _lu.iteration_solve(factors, jnp.asarray(b))
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-12, atol=1e-12)
 
 
@@ -50,7 +72,7 @@ def test_iteration_factor_needs_a_pivot(x64):
     # A zero leading entry: the inverse comes from the pivoted LU, not a plain elimination.
     a = np.array([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0], [3.0, 0.0, 1.0]])
     b = np.array([1.0, 2.0, 3.0])
-    x = _lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)), jnp.asarray(b))
+    _, x = _iteration_factor_solve(a, b)
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-13)
 
 
@@ -87,11 +109,12 @@ def test_gauss_jordan_singular_is_not_finite(x64):
 
 def test_gauss_jordan_under_vmap_and_jvp(x64):
     mats = np.stack([_needs_pivots(3, s) + 0.1 * s * np.eye(3) for s in range(4)])
-    inv = np.asarray(jax.vmap(_lu.inverse)(jnp.asarray(mats)))
-    np.testing.assert_allclose(inv, np.linalg.inv(mats), atol=1e-13)
-    # d(A⁻¹) = -A⁻¹ dA A⁻¹ (the closed form).
     a, da = mats[1], np.random.default_rng(5).standard_normal((3, 3))
-    _, tangent = jax.jvp(_lu.inverse, (jnp.asarray(a),), (jnp.asarray(da),))
+    inv, (_, tangent) = jax.jit(  # (one program for both)
+        lambda mats, a, da: (jax.vmap(_lu.inverse)(mats), jax.jvp(_lu.inverse, (a,), (da,)))
+    )(mats, a, da)
+    np.testing.assert_allclose(np.asarray(inv), np.linalg.inv(mats), atol=1e-13)
+    # d(A⁻¹) = -A⁻¹ dA A⁻¹ (the closed form).
     ai = np.linalg.inv(a)
     np.testing.assert_allclose(np.asarray(tangent), -ai @ da @ ai, atol=1e-12)
 
@@ -102,12 +125,10 @@ def test_factor_solve_both_forms(x64, n):
     and solve_transpose agree with NumPy either way, on a matrix that needs pivots."""
     a = _needs_pivots(n, 3)
     b = np.random.default_rng(4).standard_normal(n)
-    factors = _lu.factor(jnp.asarray(a))
+    factors, x, x_transpose = _factor_solves(a, b)
     assert (factors[1] is None) == (n <= _lu.GAUSS_JORDAN_MAX)
-    np.testing.assert_allclose(np.asarray(_lu.solve(factors, jnp.asarray(b))),
-                               np.linalg.solve(a, b), atol=1e-13)
-    np.testing.assert_allclose(np.asarray(_lu.solve_transpose(factors, jnp.asarray(b))),
-                               np.linalg.solve(a.T, b), atol=1e-13)
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), atol=1e-13)
+    np.testing.assert_allclose(np.asarray(x_transpose), np.linalg.solve(a.T, b), atol=1e-13)
 
 
 @pytest.mark.parametrize("n", [2, 5, 17, 64])
@@ -117,16 +138,12 @@ def test_factor_solve_like_numpy(x64, n):
     (with_permutation), solve and transpose-solve other right-hand sides."""
     a = _needs_pivots(n, n)
     b, c = np.random.default_rng(n).standard_normal((2, n))
-    x, factors = _lu.factor_solve(jnp.asarray(a), jnp.asarray(b))
-    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), atol=1e-12)
-    factors = _lu.with_permutation(factors)
-    np.testing.assert_allclose(np.asarray(_lu.solve(factors, jnp.asarray(c))),
-                               np.linalg.solve(a, c), atol=1e-12)
-    np.testing.assert_allclose(np.asarray(_lu.solve_transpose(factors, jnp.asarray(c))),
-                               np.linalg.solve(a.T, c), atol=1e-12)
-    # Batched (vmap), as under a vmapped root.
     bs = np.random.default_rng(n + 1).standard_normal((3, n))
-    xs = jax.vmap(lambda v: _lu.factor_solve(jnp.asarray(a), v)[0])(jnp.asarray(bs))
+    x, x_c, x_c_transpose, xs = _factor_solve_forms(a, b, c, bs)
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), atol=1e-12)
+    np.testing.assert_allclose(np.asarray(x_c), np.linalg.solve(a, c), atol=1e-12)
+    np.testing.assert_allclose(np.asarray(x_c_transpose), np.linalg.solve(a.T, c), atol=1e-12)
+    # Batched (vmap), as under a vmapped root.
     np.testing.assert_allclose(np.asarray(xs), np.linalg.solve(a, bs.T).T, atol=1e-12)
 
 
@@ -139,7 +156,7 @@ def test_gauss_jordan_residual_property(n, seed):
         rng = np.random.default_rng(seed)
         a = rng.standard_normal((n, n))
         b = rng.standard_normal(n)
-        x = np.asarray(_solve_via_factor(jnp.asarray(a), jnp.asarray(b)))
+        x = np.asarray(_factor_solves(a, b)[1])
     assert np.max(np.abs(a @ x - b)) <= 1e-13 * np.linalg.cond(a) * (
         1 + np.max(np.abs(a)) * np.max(np.abs(x)))
 
@@ -162,7 +179,7 @@ def test_solve_positive_definite_property(n, seed, rank):
 
 def test_solve_positive_definite_zero_pivot_is_not_finite(x64):
     a = np.array([[1.0, 2.0], [2.0, 4.0]])  # G Gᵀ of rank 1, no ridge
-    x = np.asarray(_lu.solve_positive_definite(jnp.asarray(a), jnp.ones(2)))
+    x = np.asarray(_solve_positive_definite(a, np.ones(2)))
     assert not np.all(np.isfinite(x))
 
 
@@ -174,7 +191,7 @@ def test_solve_transpose_like_numpy(x64, n):
         if n == 1:
             a = np.array([[2.5]])
         b = np.random.default_rng(n).standard_normal(n)
-        x = _solve_transpose_via_factor(jnp.asarray(a), jnp.asarray(b))
+        x = _factor_solves(a, b)[2]
         np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.T, b), rtol=1e-11,
                                    atol=1e-12)
 
@@ -183,7 +200,7 @@ def test_iteration_solve_float32_keeps_full_precision():
     # float32: the product is not left to a reduced-precision matmul (TF32 on GPUs).
     a = _matrix(8, 0).astype(np.float32)
     b = np.arange(1.0, 9.0, dtype=np.float32)
-    x = _lu.iteration_solve(_lu.iteration_factor(jnp.asarray(a)), jnp.asarray(b))
+    _, x = _iteration_factor_solve(a, b)
     assert x.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a.astype(np.float64), b),
                                rtol=2e-5)
@@ -196,7 +213,7 @@ def test_iteration_solve_residual_property(n, seed):
     with jax.enable_x64(True):
         a = _matrix(n, seed)
         b = np.random.default_rng(seed + 1).standard_normal(n)
-        x = np.asarray(_iteration_solve(jnp.asarray(a), jnp.asarray(b)))
+        x = np.asarray(_iteration_factor_solve(a, b)[1])
     assert np.max(np.abs(a @ x - b)) <= 1e-12 * (1 + np.max(np.abs(b)))
 
 
@@ -207,7 +224,7 @@ def test_small_matmul_matches_numpy(x64, shape):
     (sa, sb) = shape
     rng = np.random.default_rng(len(sa) * 10 + sb[-1])
     A, B = rng.standard_normal(sa), rng.standard_normal(sb)
-    out = _small.matmul(jnp.asarray(A), jnp.asarray(B))
+    out = _matmul(A, B)
     assert out.shape == (A @ B).shape
     np.testing.assert_allclose(np.asarray(out), A @ B, rtol=1e-13, atol=1e-13)
 
@@ -215,5 +232,5 @@ def test_small_matmul_matches_numpy(x64, shape):
 def test_small_matmul_is_differentiable(x64):
     A = np.random.default_rng(0).standard_normal((5, 6))
     B = np.random.default_rng(1).standard_normal((6, 3))
-    g = jax.grad(lambda B: jnp.sum(_small.matmul(jnp.asarray(A), B) ** 2))(jnp.asarray(B))
+    g = jax.jit(jax.grad(lambda B: jnp.sum(_small.matmul(A, B) ** 2)))(B)
     np.testing.assert_allclose(np.asarray(g), 2 * A.T @ (A @ B), rtol=1e-13)

@@ -1,6 +1,7 @@
 """The solver runner: termination, statuses, messages and dispatch, tested directly and
 through the reproducers of the termination issue (one test each)."""
 
+import functools
 import math
 import warnings
 
@@ -16,15 +17,30 @@ from solvers import _runner, _status
 # --- the runner's loop, with toy methods -------------------------------------------------
 
 
-def _toy(errors, scales=None, status=None, confirmed=None):
-    """A method whose k-th state reports errors[k] (and scales[k], status[k], ...)."""
-    errors = jnp.asarray(errors, jnp.float32)
-    scales = jnp.ones_like(errors) if scales is None else jnp.asarray(scales, jnp.float32)
-    status = (jnp.full(errors.shape, _status.RUNNING, jnp.int32) if status is None
-              else jnp.asarray(status, jnp.int32))
-    confirmed = (jnp.ones(errors.shape, bool) if confirmed is None
-                 else jnp.asarray(confirmed, bool))
+#: The states of every toy method, its last one repeated up to here (a toy method repeats
+#: its last state anyway): the same shapes for every toy, so that one compiled run serves
+#: every toy with the same runner options.
+_TOY_STATES = 600
 
+
+def _toy(errors, scales=None, status=None, confirmed=None):
+    """The states of a method whose k-th state reports errors[k] (and scales[k],
+    status[k], ...), for :func:`_run`."""
+    n = len(errors)
+    assert n <= _TOY_STATES
+    scales = np.ones(n) if scales is None else scales
+    status = np.full(n, _status.RUNNING) if status is None else status
+    confirmed = np.ones(n, bool) if confirmed is None else confirmed
+
+    def padded(values, dtype):
+        values = np.asarray(values, dtype)
+        return np.concatenate([values, np.repeat(values[-1:], _TOY_STATES - n)])
+
+    return (padded(errors, np.float32), padded(scales, np.float32), padded(status, np.int32),
+            padded(confirmed, bool))
+
+
+def _toy_method(errors, scales, status, confirmed):
     def terminate(k):
         k = jnp.minimum(k, errors.shape[0] - 1)
         return _runner.Progress(errors[k], scales[k], status[k], confirmed[k])
@@ -33,9 +49,17 @@ def _toy(errors, scales=None, status=None, confirmed=None):
                           terminate=terminate)
 
 
-def _run(method, max_steps=100, **kw):
+@functools.partial(jax.jit, static_argnames=("max_steps", "record_history",
+                                             "stagnation_window", "check_every"))
+def _run(states, max_steps=100, record_history=False,
+         stagnation_window=_runner.STAGNATION_WINDOW, check_every=1):
+    """The runner on the toy method of these ``states`` (module level and jitted: one
+    program per set of options, shared by the tests; eagerly, every toy's loop and each
+    of its operations compiled on its own)."""
     rtol, atol = jnp.float32(1e-3), jnp.float32(0.0)
-    return _runner.iterate(method, None, rtol=rtol, atol=atol, max_steps=max_steps, **kw)
+    return _runner.iterate(_toy_method(*states), None, rtol=rtol, atol=atol,
+                           max_steps=max_steps, record_history=record_history,
+                           stagnation_window=stagnation_window, check_every=check_every)
 
 
 def test_a_guess_that_passes_takes_zero_steps():
@@ -144,30 +168,39 @@ def test_check_every_stagnation_window_counts_steps():
     assert int(info.num_steps) == 5 + _runner.STAGNATION_WINDOW
 
 
+def _a_cos(x, a):
+    return a * jnp.cos(x)
+
+
+@functools.partial(jax.jit, static_argnames="every")
+def _check_every_solves(a, cubes, every):
+    """The solves and gradients below, with check_every=every, in one program (eagerly,
+    each compiled its own, and the gradients' every operation too)."""
+    solve = lambda a: solvers.fixed_point(_a_cos, 0.3, a, check_every=every)  # noqa: E731
+    _, info = solvers.fixed_point(_a_cos, jnp.float32(0.7390851332151607), a,
+                                  check_every=every, full_output=True)
+    roots = jax.vmap(lambda a: solvers.bisection(_cube, 0.0, 10.0, a, check_every=every))
+    grad = jax.grad(lambda a: jnp.sum(solvers.chandrupatla(_cube, 0.0, 10.0, a,
+                                                            check_every=every)))
+    return (solve(a), jax.grad(solve)(a), info.num_steps,
+            solvers.root(_cube, jnp.ones(3), cubes, check_every=every), roots(cubes),
+            grad(cubes))
+
+
 @pytest.mark.parametrize("every", [1, 3, 4])
 def test_check_every_gives_the_same_solutions_and_gradients(every):
     # cos fixed point (Dottie number) and its derivative in a: x = a cos x,
-    # dx/da = cos x / (1 + a sin x).
-    f = lambda x, a: a * jnp.cos(x)  # noqa: E731
-    solve = jax.jit(lambda a: solvers.fixed_point(f, 0.3, a, check_every=every))
-    x = float(solve(1.0))
+    # dx/da = cos x / (1 + a sin x); cube roots of 8, 27, 64 and their derivatives.
+    x, g, num_steps, roots, bisected, g_cubes = _check_every_solves(
+        1.0, np.array([8.0, 27.0, 64.0], np.float32), every=every)
+    x = float(x)
     np.testing.assert_allclose(x, 0.7390851332151607, rtol=2e-5)
-    np.testing.assert_allclose(float(jax.grad(solve)(1.0)),
-                               math.cos(x) / (1 + math.sin(x)), rtol=1e-4)
+    np.testing.assert_allclose(float(g), math.cos(x) / (1 + math.sin(x)), rtol=1e-4)
     # A fixed-point guess is returned after zero steps.
-    _, info = solvers.fixed_point(f, jnp.float32(0.7390851332151607), 1.0,
-                                  check_every=every, full_output=True)
-    assert int(info.num_steps) == 0
-    a = jnp.array([8.0, 27.0, 64.0])
-    cube = lambda x, a: x**3 - a  # noqa: E731
-    np.testing.assert_allclose(solvers.root(cube, jnp.ones(3), a, check_every=every),
-                               [2.0, 3.0, 4.0], rtol=1e-5)
-    roots = jax.vmap(lambda a: solvers.bisection(cube, 0.0, 10.0, a, check_every=every))(a)
+    assert int(num_steps) == 0
     np.testing.assert_allclose(roots, [2.0, 3.0, 4.0], rtol=1e-5)
-    np.testing.assert_allclose(
-        jax.grad(lambda a: jnp.sum(solvers.chandrupatla(cube, 0.0, 10.0, a,
-                                                         check_every=every)))(a),
-        1 / (3 * np.array([2.0, 3.0, 4.0]) ** 2), rtol=1e-4)
+    np.testing.assert_allclose(bisected, [2.0, 3.0, 4.0], rtol=1e-5)
+    np.testing.assert_allclose(g_cubes, 1 / (3 * np.array([2.0, 3.0, 4.0]) ** 2), rtol=1e-4)
 
 
 def test_check_every_failures_still_raise():
@@ -271,9 +304,9 @@ def test_anderson_finds_repelling_fixed_points_of_linear_maps(a, x64):
 
 
 def test_diverging_batch_element_is_nan_under_vmap():
-    x, info = jax.vmap(
+    x, info = jax.jit(jax.vmap(
         lambda a: solvers.fixed_point(_affine, 0.0, a, on_failure="nan", full_output=True)
-    )(jnp.array([0.5, 2.0]))
+    ))(np.array([0.5, 2.0], np.float32))
     np.testing.assert_allclose(x[0], 2.0, rtol=1e-4)  # 1 / (1 - a)
     assert np.isnan(x[1]) and list(info.status_name) == ["converged", "nonfinite"]
 
@@ -283,9 +316,11 @@ def _square(x):
 
 
 def test_an_exact_root_is_accepted_before_any_step():
-    # The Jacobian is singular there: a Newton step would fail.
-    for method in ("newton", "chord", "broyden"):
-        x, info = solvers.root(_square, 0.0, method=method, full_output=True)
+    # The Jacobian is singular there: a Newton step would fail. (One program for the three.)
+    methods = ("newton", "chord", "broyden")
+    solves = jax.jit(lambda x0: [solvers.root(_square, x0, method=method, full_output=True)
+                                 for method in methods])
+    for x, info in solves(0.0):
         assert float(x) == 0.0 and int(info.num_steps) == 0 and bool(info.converged)
 
 
@@ -309,9 +344,12 @@ def _cube(x, a):
 
 
 def test_one_failed_element_leaves_the_other_gradients_finite():
-    a = jnp.array([8.0, 2000.0, 27.0])
-    for method in (solvers.bisection, solvers.chandrupatla):
-        g = jax.grad(lambda a: jnp.nansum(method(_cube, 0.0, 10.0, a, on_failure="nan")))(a)
+    a = np.array([8.0, 2000.0, 27.0], np.float32)
+    # (one program for both)
+    grads = jax.jit(lambda a: [
+        jax.grad(lambda a: jnp.nansum(method(_cube, 0.0, 10.0, a, on_failure="nan")))(a)
+        for method in (solvers.bisection, solvers.chandrupatla)])(a)
+    for g in grads:
         np.testing.assert_allclose(np.asarray(g)[[0, 2]],
                                    1 / (3 * np.array([8.0, 27.0]) ** (2 / 3)), rtol=1e-4)
         assert np.isnan(g[1])
@@ -326,8 +364,7 @@ def test_ignore_gives_the_ift_gradient_at_the_returned_point():
     solve = lambda t: solvers.fixed_point(_cos_plus, 0.3, t, max_steps=50,  # noqa: E731
                                           on_failure="ignore")
     t = math.pi / 2
-    x = float(solve(t))
-    g = float(jax.grad(solve)(t))
+    x, g = (float(v) for v in jax.jit(lambda t: (solve(t), jax.grad(solve)(t)))(t))
     # IFT at x: residual cos(x) + t - x, so dx/dt = 1 / (1 + sin x).
     np.testing.assert_allclose(g, 1 / (1 + math.sin(x)), rtol=1e-4)
 
@@ -346,7 +383,7 @@ def test_truncated_deq_gradient_is_finite_and_ift_at_the_point():
                                 on_failure="ignore")
         return jnp.sum(z), z
 
-    (value, z), g = jax.value_and_grad(loss, has_aux=True)(b)
+    (value, z), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(b)
     assert np.all(np.isfinite(g))
     # IFT at the returned z: dz/db = (I - D W)^-1 D with D = diag(1 - tanh(W z + b)^2).
     z64, W64, b64 = (np.asarray(v, np.float64) for v in (z, W, b))
@@ -391,16 +428,16 @@ def test_wrong_number_of_arguments_names_the_function():
 def test_broyden_stale_step_is_not_convergence():
     # From x0 = 0.5 a Broyden step that happens to be tiny once passed the test with
     # |F| = 33 (float32, no line search). Over a grid, every converged answer is a root.
-    a = jnp.linspace(1.0, 100.0, 40)
-    x0 = jnp.linspace(0.1, 6.0, 23)
-    A, X0 = (v.ravel() for v in jnp.meshgrid(a, x0))
+    a = np.linspace(1.0, 100.0, 40, dtype=np.float32)
+    x0 = np.linspace(0.1, 6.0, 23, dtype=np.float32)
+    A, X0 = (v.ravel() for v in np.meshgrid(a, x0))
     solve = jax.jit(jax.vmap(lambda x0, a: solvers.root(
         _cube, x0, a, method="broyden", line_search=False, on_failure="ignore",
         full_output=True)))
     x, info = solve(X0, A)
     ok = np.asarray(info.converged)
     assert ok.mean() > 0.9
-    np.testing.assert_allclose(np.asarray(x)[ok], np.cbrt(np.asarray(A))[ok], rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(x)[ok], np.cbrt(A)[ok], rtol=1e-4)
     x, info = solvers.root(_cube, 0.5, 33.0, method="broyden", line_search=False,
                            full_output=True)
     np.testing.assert_allclose(x, 33.0 ** (1 / 3), rtol=1e-5)
@@ -413,7 +450,7 @@ def _sqrt_update(x, a):
 def test_forward_mode_needs_rule_jvp_and_says_so():
     with pytest.raises(TypeError, match="rule='jvp'"):
         jax.jacfwd(lambda a: solvers.fixed_point(_sqrt_update, a, a))(2.0)
-    g = jax.jacfwd(lambda a: solvers.fixed_point(_sqrt_update, a, a, rule="jvp"))(2.0)
+    g = jax.jit(jax.jacfwd(lambda a: solvers.fixed_point(_sqrt_update, a, a, rule="jvp")))(2.0)
     np.testing.assert_allclose(g, 1 / (2 * math.sqrt(2.0)), rtol=1e-5)
     with pytest.raises(TypeError, match="reverse mode only"):
         jax.jacfwd(lambda y0: solvers.odeint(lambda y, t: -y, y0, jnp.array([0.0, 1.0])))(1.0)
@@ -460,4 +497,4 @@ def test_an_empty_unknown_is_solved_as_empty(name):
                                                method="bdf")[-1],
     }[name]
     assert solve(empty).shape == (0,)
-    assert jax.grad(lambda a: jnp.sum(solve(a)))(empty).shape == (0,)
+    assert jax.jit(jax.grad(lambda a: jnp.sum(solve(a))))(empty).shape == (0,)
