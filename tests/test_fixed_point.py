@@ -21,15 +21,17 @@ def newton_sqrt(a):
 @pytest.mark.transforms("fixed_point", "jit", "vmap", "grad", "grad(grad)")
 def test_seed_notebook_numbers():
     # The notebook prints 1.4142135, 0.35355338 and -0.088388346 (float32).
-    assert newton_sqrt(2.0).dtype == jnp.float32
-    np.testing.assert_allclose(newton_sqrt(2.0), 1.4142135, rtol=1e-7)
-    np.testing.assert_allclose(jax.grad(newton_sqrt)(2.0), 0.35355338, rtol=1e-7)
-    np.testing.assert_allclose(jax.grad(jax.grad(newton_sqrt))(2.0), -0.088388346, rtol=1e-6)
-    np.testing.assert_allclose(
-        jax.jit(jax.vmap(newton_sqrt))(jnp.array([1.0, 2.0, 3.0, 4.0])),
-        [1.0, 1.4142135, 1.7320509, 2.0],
-        rtol=1e-7,
-    )
+    x = newton_sqrt(2.0)
+    assert x.dtype == jnp.float32
+    np.testing.assert_allclose(x, 1.4142135, rtol=1e-7)
+    # (one program for the three: eagerly, the gradients' operations compiled one by one)
+    grad, grad2, batched = jax.jit(
+        lambda a, batch: (jax.grad(newton_sqrt)(a), jax.grad(jax.grad(newton_sqrt))(a),
+                          jax.vmap(newton_sqrt)(batch))
+    )(2.0, np.array([1.0, 2.0, 3.0, 4.0], np.float32))
+    np.testing.assert_allclose(grad, 0.35355338, rtol=1e-7)
+    np.testing.assert_allclose(grad2, -0.088388346, rtol=1e-6)
+    np.testing.assert_allclose(batched, [1.0, 1.4142135, 1.7320509, 2.0], rtol=1e-7)
 
 
 def tanh_layer(z, params, x):
@@ -80,13 +82,16 @@ def test_tanh_layer_gradients_match_finite_differences(x64, method, linear_solve
         return jnp.sum(z**2) + jnp.sum(jnp.sin(z))
 
     grads = jax.jit(jax.grad(loss))(params)
-    reference = _central_difference(jax.jit(loss), params)
+    # (the finite differences' losses, in params and in scale: one program)
+    loss_at = jax.jit(lambda params, s: loss(params, s))
+    reference = _central_difference(lambda params: loss_at(params, scale), params)
     for key in params:
         np.testing.assert_allclose(grads[key], reference[key], rtol=1e-6, atol=1e-8)
-    # The closed-over scale gets its derivative too.
-    g_scale = jax.grad(lambda s: loss(params, s))(scale)
+    # The closed-over scale gets its derivative too. (Jitted: eagerly, each call's fresh
+    # map compiled a solver of its own, and the gradient's operations one by one.)
+    g_scale = jax.jit(jax.grad(lambda s: loss(params, s)))(scale)
     h = 1e-6
-    fd = (loss(params, scale + h) - loss(params, scale - h)) / (2 * h)
+    fd = (loss_at(params, scale + h) - loss_at(params, scale - h)) / (2 * h)
     np.testing.assert_allclose(g_scale, fd, rtol=1e-6)
 
 
@@ -104,7 +109,7 @@ def test_float32_slow_contraction_default_adjoint_against_float64_ift():
         return jnp.sum(solvers.fixed_point(lambda x, w, c: jnp.tanh(w @ x + c),
                                            jnp.zeros(30), w, c, max_steps=5000) ** 2)
 
-    g = np.asarray(jax.grad(loss)(c), np.float64)
+    g = np.asarray(jax.jit(jax.grad(loss))(c), np.float64)
     w64, c64 = np.asarray(w, np.float64), np.asarray(c, np.float64)  # (the rounded data)
     x = np.zeros(30)
     for _ in range(100_000):
@@ -130,7 +135,7 @@ def test_pytree_state_and_namedtuple():
     np.testing.assert_allclose(s.u, 0.5 * np.cos(np.asarray(s.u)) + 0.2, atol=1e-5)
     np.testing.assert_allclose(s.v["w"], 0.2 / 0.75, rtol=1e-5)
     # d w*/d a = 1 / 0.75 for the second component.
-    g = jax.grad(lambda a: solvers.fixed_point(f, s0, a).v["w"])(0.2)
+    g = jax.jit(jax.grad(lambda a: solvers.fixed_point(f, s0, a).v["w"]))(0.2)
     np.testing.assert_allclose(g, 1 / 0.75, rtol=1e-5)
 
 
@@ -138,11 +143,13 @@ def test_pytree_state_and_namedtuple():
 def test_jvp_rule_forward_mode_and_hessian():
     f = lambda x, a: 0.5 * (x + a / x)
     sqrt = lambda a: solvers.fixed_point(f, a, a, rule="jvp")
-    np.testing.assert_allclose(jax.jacfwd(sqrt)(4.0), 0.25, rtol=1e-6)
-    np.testing.assert_allclose(jax.hessian(sqrt)(4.0), -0.25 * 4.0**-1.5, rtol=1e-5)
-    a = jnp.array([1.0, 4.0, 9.0])
-    np.testing.assert_allclose(jax.jacrev(jax.vmap(sqrt))(a), np.diag(0.5 / np.sqrt(a)),
-                               rtol=1e-6)
+    a = np.array([1.0, 4.0, 9.0], np.float32)
+    jacfwd, hessian, jacrev = jax.jit(  # (one program for the three)
+        lambda s, a: (jax.jacfwd(sqrt)(s), jax.hessian(sqrt)(s), jax.jacrev(jax.vmap(sqrt))(a))
+    )(4.0, a)
+    np.testing.assert_allclose(jacfwd, 0.25, rtol=1e-6)
+    np.testing.assert_allclose(hessian, -0.25 * 4.0**-1.5, rtol=1e-5)
+    np.testing.assert_allclose(jacrev, np.diag(0.5 / np.sqrt(a)), rtol=1e-6)
 
 
 def test_anderson_beats_plain_iteration_on_a_slow_contraction():
@@ -154,9 +161,10 @@ def test_anderson_beats_plain_iteration_on_a_slow_contraction():
     A = jnp.asarray(0.97 * S / np.abs(np.linalg.eigvalsh(S)).max())
     b = jnp.asarray(rng.standard_normal(20))
     f = lambda x, A, b: A @ x + b
-    x_it, info_it = solvers.fixed_point(f, jnp.zeros(20), A, b, full_output=True, max_steps=2000)
-    x_an, info_an = solvers.fixed_point(f, jnp.zeros(20), A, b, method="anderson",
-                                        full_output=True)
+    (x_it, info_it), (x_an, info_an) = jax.jit(lambda A, b: (  # (one program for both)
+        solvers.fixed_point(f, jnp.zeros(20), A, b, full_output=True, max_steps=2000),
+        solvers.fixed_point(f, jnp.zeros(20), A, b, method="anderson", full_output=True)
+    ))(A, b)
     exact = np.linalg.solve(np.eye(20) - np.asarray(A), np.asarray(b))
     np.testing.assert_allclose(x_an, exact, rtol=1e-3, atol=1e-3)
     assert bool(info_an.converged) and bool(info_it.converged)
@@ -177,9 +185,9 @@ def test_full_output_info_and_history():
     np.testing.assert_allclose(history[k - 1], info.residual)
     assert info.residual <= 1e-5 * 1.5 + 1e-6
     # Batched solves give batched info.
-    _, binfo = jax.vmap(lambda a: solvers.fixed_point(newton_update, a, a, full_output=True))(
-        jnp.array([1.0, 100.0])
-    )
+    _, binfo = jax.jit(jax.vmap(
+        lambda a: solvers.fixed_point(newton_update, a, a, full_output=True)
+    ))(np.array([1.0, 100.0], np.float32))
     assert binfo.num_steps.shape == (2,) and binfo.num_steps[1] > binfo.num_steps[0]
 
 
@@ -206,9 +214,9 @@ def test_non_convergence_raises_under_jit_and_vmap():
 
 def test_on_failure_nan_marks_only_failed_batch_elements():
     # a = 0 converges at once (x = 0 is the fixed point); a = 1 needs thousands of steps.
-    out = jax.vmap(lambda a: solvers.fixed_point(_slow, 0.0, a, max_steps=20, on_failure="nan"))(
-        jnp.array([0.0, 1.0])
-    )
+    out = jax.jit(jax.vmap(
+        lambda a: solvers.fixed_point(_slow, 0.0, a, max_steps=20, on_failure="nan")
+    ))(np.array([0.0, 1.0], np.float32))
     assert out[0] == 0.0 and np.isnan(out[1])
     # The guess is tested first, then 3 steps; the result is the next iterate after the
     # last one tested (f there is already known): x_4 = 1 + 0.999 + 0.999^2 + 0.999^3.
@@ -278,24 +286,23 @@ def test_mixed_precision_pytree_follows_its_coarsest_leaf(x64, rule):
     # never met it through the float32 leaf's rounding; every gradient raised (residual
     # 6e-8 against 1e-9). Reference: the same map solved and differentiated in float64 throughout,
     # by the dense implicit function theorem.
-    x0 = {"p": jnp.zeros(2, jnp.float32), "q": jnp.zeros(3)}
+    x0 = {"p": np.zeros(2, np.float32), "q": np.zeros(3)}
     solve = lambda a: solvers.fixed_point(_mixed_map, x0, a, rule=rule, linear_solver="gmres")  # noqa: E731
     flat = lambda x: jnp.concatenate([x["p"].astype(jnp.float64), x["q"]])  # noqa: E731
-    x = solve(0.7)
-    assert x["p"].dtype == jnp.float32 and x["q"].dtype == jnp.float64
     solution = lambda a: flat(solve(a))  # noqa: E731
-    jac = jax.jacfwd(solution)(0.7) if rule == "jvp" else jax.jacrev(solution)(0.7)
+    x, jac = jax.jit(lambda a: (  # (one program for both)
+        solve(a), jax.jacfwd(solution)(a) if rule == "jvp" else jax.jacrev(solution)(a)
+    ))(0.7)
+    assert x["p"].dtype == jnp.float32 and x["q"].dtype == jnp.float64
 
-    def g(z, a):  # the map in float64, on the flat vector
-        return jnp.concatenate([0.5 * jnp.cos(a * z[:2]), 0.3 * jnp.sin(z[2:] + a)])
-
+    a = 0.7  # the map in float64, on the flat vector, and its derivatives (closed forms)
     z = np.zeros(5)
     for _ in range(200):
-        z = np.asarray(g(jnp.asarray(z), 0.7))
-    dz = np.asarray(jax.jacfwd(g)(jnp.asarray(z), 0.7))
-    da = np.asarray(jax.jacfwd(g, argnums=1)(jnp.asarray(z), 0.7))
+        z = np.concatenate([0.5 * np.cos(a * z[:2]), 0.3 * np.sin(z[2:] + a)])
+    dz = np.diag(np.concatenate([-0.5 * a * np.sin(a * z[:2]), 0.3 * np.cos(z[2:] + a)]))
+    da = np.concatenate([-0.5 * z[:2] * np.sin(a * z[:2]), 0.3 * np.cos(z[2:] + a)])
     expected = np.linalg.solve(np.eye(5) - dz, da)
-    np.testing.assert_allclose(flat(x), z, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([x["p"], x["q"]]), z, atol=1e-5)
     np.testing.assert_allclose(jac, expected, atol=1e-5)
 
 

@@ -3,6 +3,7 @@
 pattern may never miss a nonzero) and against the known structure where it is exact; the
 solvers are checked to build the same program as with the pattern given by hand."""
 
+import functools
 import os
 import sys
 
@@ -21,13 +22,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks._brusselator import brusselator, brusselator_y0  # noqa: E402
 
 
+@functools.cache
+def _jacobian(f):
+    """``jax.jacfwd(f)``, jitted once per function (eagerly, each of its operations was
+    compiled on its own, for every function and point)."""
+    return jax.jit(jax.jacfwd(f))
+
+
 def _jac_nonzeros(f, x, *args, points=3):
     """Where the Jacobian is nonzero at any of a few random points (float64 NumPy)."""
     with jax.enable_x64(True):
         nz = 0
         for seed in range(points):
             xr = np.random.default_rng(seed).normal(size=np.shape(x))
-            J = jax.jacfwd(f)(jnp.asarray(xr), *args)
+            J = _jacobian(f)(xr, *args)
             nz = nz | (np.asarray(J).reshape(np.size(J) // np.size(x), np.size(x)) != 0)
         return nz
 
@@ -92,8 +100,9 @@ def test_stencils_never_miss_an_entry(shifts, power, n):
             out = out + (k + 1) * jnp.roll(y, s) * jnp.tanh(jnp.roll(y, -s))
         return out
 
-    p = jacobian_pattern(f, jnp.ones(n))
-    _covers(p, f, jnp.ones(n))
+    y = np.ones(n, np.float32)  # (its shape and dtype only)
+    p = jacobian_pattern(f, y)
+    _covers(p, f, y)
     expected = np.eye(n, dtype=bool)
     for s in shifts:
         expected |= np.roll(np.eye(n, dtype=bool), -s, axis=1) | np.roll(
@@ -112,17 +121,24 @@ def test_root_auto_solves_and_differentiates_as_the_pattern_given():
     def F(x, b):  # tridiagonal: 2x_i - x_{i-1} - x_{i+1} + x_i^3 = b
         return 2 * x - jnp.pad(x[:-1], (1, 0)) - jnp.pad(x[1:], (0, 1)) + x ** 3 - b
 
-    b = jnp.linspace(0.5, 1.5, 12)
+    b = np.linspace(0.5, 1.5, 12, dtype=np.float32)
     solve = lambda b, s: solvers.root(F, jnp.zeros(12), b, jac_sparsity=s)  # noqa: E731
     # the same program as with the band given by hand
     assert str(jax.make_jaxpr(lambda b: solve(b, "auto"))(b)) == str(
         jax.make_jaxpr(lambda b: solve(b, 1))(b))
-    x, vjp = jax.vjp(lambda b: solve(b, "auto"), b)
-    np.testing.assert_allclose(F(x, b), 0, atol=1e-4)
+
+    @jax.jit  # (one program for the solve and its vjp)
+    def solve_and_vjp(b):
+        x, vjp = jax.vjp(lambda b: solve(b, "auto"), b)
+        return x, vjp(jnp.ones(12))[0]
+
+    x, g = (np.asarray(v, np.float64) for v in solve_and_vjp(b))
+    # (F and its Jacobian at x in NumPy: tridiagonal, 2 + 3 x_i^2 on the diagonal, -1 off it)
+    off = np.diag(np.ones(11), 1) + np.diag(np.ones(11), -1)
+    np.testing.assert_allclose(2 * x - off @ x + x**3 - b, 0, atol=1e-4)
     # d x*/d b = J^{-1}: the gradient of sum(x*) solves J^T g = 1
-    J = jax.jacfwd(F)(x, b)
-    np.testing.assert_allclose(vjp(jnp.ones(12))[0], np.linalg.solve(J.T, np.ones(12)),
-                               rtol=1e-3)
+    J = np.diag(2 + 3 * x**2) - off
+    np.testing.assert_allclose(g, np.linalg.solve(J.T, np.ones(12)), rtol=1e-3)
 
 
 def test_odeint_auto_traces_the_program_of_the_band():
