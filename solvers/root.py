@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from implicit import _checks, _lu, _sharding, linear
+from implicit._reduce import all_
 from solvers import _runner, _status
 
 __all__ = ["root", "newton"]
@@ -464,7 +465,7 @@ class _Linear(NamedTuple):
     jacobian: str  # "dense", "matfree" or "sparse" (a Structure: block elimination)
     eta_min: Any  # tightest GMRES forcing term
     structure: Any = None  # the solvers._sparse.Structure of jacobian="sparse"
-    tol: Any = None  # (rtol, atol): the residual test's per-equation tolerance
+    tol: Any = None  # (rtol, atol, max|x0|): the residual test's tolerances
 
     def residual_tolerance(self, x, jac):
         """Per equation, ``sum_j |J_ij| (atol + rtol' |x_j|)`` (``rtol' = max(rtol,
@@ -758,7 +759,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # 1e-7..1e-5: three 'converged' points whose equilibrium rows were off by far
         # more than their terms' size times the tolerance).
         f_tol = f_tol.astype(dtype)
-        residual_ok = jnp.all(jnp.abs(f_next) <= f_tol)
+        residual_ok = all_(jnp.abs(f_next) <= f_tol)
         confirmed = (fresh | halved | (f_max == 0)) & residual_ok
         if quasi is not None:
             quasi = update(state._replace(fx=fx), quasi, x_next, f_next, d, moved, halved,
@@ -892,7 +893,7 @@ def _dogleg(fn, project, rtol, atol, size0):
         error = error.astype(x.dtype)
         # The residual test of _method's (see _Linear.residual_tolerance).
         r_tol = _residual_tolerance(jac, x, rtol, atol, size0)
-        residual_ok = jnp.all(jnp.abs(fx) <= r_tol)
+        residual_ok = all_(jnp.abs(fx) <= r_tol)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
                       error, scale.astype(x.dtype), residual_ok)
 
