@@ -23,7 +23,8 @@ out (``odeint_f_closure``, check ``refused``); and, for odeint's other modes (th
 interpolating adjoint, forward sensitivities, terminal and non-terminal events, dense
 output), the values (``value``), the gradients in that parameter and in the sharded
 batch (``grad_batched``), and forward mode (``jacfwd`` in the parameter, ``jvp_batched``
-in the batch), each against the same computation without ``shard_map``.
+in the batch), each against the same computation without ``shard_map`` (the values are
+those the gradient's program computes on its way: one program fewer per side).
 """
 
 import os
@@ -470,14 +471,17 @@ def replicated_case(name, check):
         return False, "no error raised"
     elems = _replicated_problems()[name]
 
-    def loss(c, d):
-        return jnp.sum(elems(c, d) ** 2)
+    def loss(c, d):  # (and the values, which the gradient's forward pass computes)
+        values = elems(c, d)
+        return jnp.sum(values**2), values
+
+    def grad(argnums):  # (gradient, values)
+        return lambda c, d: jax.grad(loss, argnums, has_aux=True)(c, d)
 
     programs = {  # program -> (function of (c, d), out_specs)
-        "grad_c": (jax.grad(loss), P()),
-        "grad_cd": (jax.grad(loss, argnums=(0, 1)), (P(), P("b"))),
-        "value": (elems, P("b")),
-        "grad_d": (jax.grad(loss, argnums=1), P("b")),
+        "grad_c": (grad(0), (P(), P("b"))),
+        "grad_cd": (grad((0, 1)), ((P(), P("b")), P("b"))),
+        "grad_d": (grad(1), (P("b"), P("b"))),
         "jacfwd": (jax.jacfwd(elems), P("b")),
         "jvp_batched": (lambda c, d: jax.jvp(lambda d: elems(c, d), (d,),
                                              (jnp.ones_like(d),))[1], P("b")),
@@ -494,21 +498,25 @@ def replicated_case(name, check):
         return _outputs((name, program, "shard_map"),
                         lambda: jax.tree.map(np.asarray, jax.jit(g)(c, sharded)))
 
-    program = {"grad_replicated": "grad_c", "grad_closed": "grad_c",
-               "grad_batched": "grad_d"}.get(check, check)
-    if check in ("grad_replicated", "grad_batched") and name in _JOINT_GRADS:
-        index = 0 if check == "grad_replicated" else 1
-        expected = without_shard_map("grad_cd")[index]
-        out = under_shard_map("grad_cd")[index]
+    # The values come from a gradient's program (its forward pass): that of c, or of c
+    # and d jointly (_JOINT_GRADS).
+    joint = name in _JOINT_GRADS
+    program, pick = {
+        "value": ("grad_cd" if joint else "grad_c", lambda out: out[1]),
+        "grad_replicated": ("grad_cd", lambda out: out[0][0]) if joint else
+                           ("grad_c", lambda out: out[0]),
+        "grad_closed": ("grad_c", lambda out: out[0]),
+        "grad_batched": ("grad_cd", lambda out: out[0][1]) if joint else
+                        ("grad_d", lambda out: out[0]),
+    }.get(check, (check, lambda out: out))
+    expected = pick(without_shard_map(program))
+    if check == "grad_closed":  # the body closes over c (a constant of the program)
+        fn, out_spec = programs[program]
+        g = jax.shard_map(lambda d: fn(c, d), mesh=mesh, in_specs=P("b"),
+                          out_specs=out_spec)
+        out = pick(jax.tree.map(np.asarray, jax.jit(g)(sharded)))
     else:
-        expected = without_shard_map(program)
-        if check == "grad_closed":  # the body closes over c (a constant of the program)
-            fn, out_spec = programs[program]
-            g = jax.shard_map(lambda d: fn(c, d), mesh=mesh, in_specs=P("b"),
-                              out_specs=out_spec)
-            out = np.asarray(jax.jit(g)(sharded))
-        else:
-            out = under_shard_map(program)
+        out = pick(under_shard_map(program))
     scale = np.max(np.abs(expected))
     rel = float(np.max(np.abs(out - expected)) / scale)
     finite = bool(np.all(np.isfinite(expected))) and scale > 0
