@@ -222,7 +222,8 @@ def test_large_band_solve_under_jit(x64):
         return sum(coef[k + 3] * pad[3 + k: 3 + k + n] for k in offsets)
 
     x = jnp.asarray(rng.standard_normal(n))
-    np.testing.assert_allclose(matvec(x), Wsp @ np.asarray(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(jax.jit(matvec)(x), Wsp @ np.asarray(x), rtol=1e-12,
+                               atol=1e-12)  # (one program, not one per operation)
     s = structure(3, n)
     run = jax.jit(lambda b: s.solve(s.factor(s.eye_minus(0.1, s.jacobian(matvec, b))), b))
     A = (sp.eye(n) - 0.1 * Wsp).tocsc()
