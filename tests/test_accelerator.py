@@ -128,7 +128,7 @@ def test_gmres_runs_two_loops_and_no_conditional():
     loops = _while_bodies(jaxpr)
     assert sorted(d for d, _ in loops) == [0, 1]
     assert "cond" not in {e.primitive.name for e in _eqns(jaxpr)}
-    x = np.asarray(solve(b), np.float64)
+    x = np.asarray(jax.jit(solve)(b), np.float64)  # (one program, not one per loop/op)
     np.testing.assert_allclose(np.asarray(A, np.float64) @ x, b, atol=1e-4)
 
 
@@ -138,8 +138,8 @@ def test_gmres_solution_with_many_restarts_matches_dense():
         n = 40  # four restart cycles at least
         A = np.eye(n) * 2 + rng.standard_normal((n, n)) / np.sqrt(n)
         b = rng.standard_normal(n)
-        x = implicit.linear.solve("gmres", lambda v: jnp.asarray(A) @ v, jnp.asarray(b),
-                                  rtol=1e-11, atol=0.0)
+        x = jax.jit(lambda A, b: implicit.linear.solve(  # (one program)
+            "gmres", lambda v: A @ v, b, rtol=1e-11, atol=0.0))(jnp.asarray(A), jnp.asarray(b))
         np.testing.assert_allclose(np.asarray(x), np.linalg.solve(A, b), rtol=1e-8, atol=1e-9)
 
 
@@ -158,6 +158,6 @@ def test_neumann_takes_several_steps_per_trip_on_an_accelerator(monkeypatch, acc
     (_, body), = _while_bodies(jaxpr)
     steps = implicit.linear.NEUMANN_STEPS_PER_TRIP_ON_ACCELERATOR if accelerator else 1
     assert len(_dots(body)) == steps  # one product with M per step
-    x = solve(jnp.asarray(b, jnp.float32))
+    x = jax.jit(solve)(jnp.asarray(b, jnp.float32))  # (one program)
     np.testing.assert_allclose(np.asarray(x), np.linalg.solve(M - np.eye(8), b), rtol=1e-4,
                                atol=1e-5)

@@ -55,7 +55,7 @@ def test_bratu_solution_and_gradient_against_scipy(x64):
 
     eps = 1e-5
     fd = (w @ scipy_solution(LAM + eps) - w @ scipy_solution(LAM - eps)) / (2 * eps)
-    g = jax.grad(loss)(LAM)
+    g = jax.jit(jax.grad(loss))(LAM)  # (one program: eagerly, its pieces one by one)
     assert abs(float(g) - fd) / abs(fd) < 1e-6, (float(g), fd)
 
 
@@ -71,17 +71,17 @@ def test_banded_pytree_and_jvp_rule(x64):
     b = jnp.linspace(0.0, 2.0, 9)
     x0 = {"a": jnp.zeros(5), "b": jnp.zeros(4)}
     x = solvers.root(G, x0, b, jac_sparsity=1, rtol=1e-12, atol=1e-12)
-    ref = scipy.optimize.root(
-        lambda v: np.asarray(jnp.concatenate(list(G({"a": v[:5], "b": v[5:]}, b).values()))),
-        np.zeros(9), method="hybr", options={"xtol": 1e-13}).x
+    G_flat = jax.jit(lambda v: jnp.concatenate(list(G({"a": v[:5], "b": v[5:]}, b).values())))
+    ref = scipy.optimize.root(lambda v: np.asarray(G_flat(v)), np.zeros(9), method="hybr",
+                              options={"xtol": 1e-13}).x
     np.testing.assert_allclose(jnp.concatenate([x["a"], x["b"]]), ref, rtol=1e-10,
                                atol=1e-12)
     # d x / d b by the implicit function theorem: J dx = db, J = tridiag(-1, 3 + 3x², -1).
     J = np.diag(3 + 3 * ref**2) - np.eye(9, k=1) - np.eye(9, k=-1)
     db = np.cos(np.arange(9.0))
-    _, t = jax.jvp(lambda b: solvers.root(G, x0, b, jac_sparsity=1, rule="jvp",
-                                          linear_solver="gmres", rtol=1e-12, atol=1e-12),
-                   (b,), (jnp.asarray(db),))
+    _, t = jax.jit(lambda b, db: jax.jvp(
+        lambda b: solvers.root(G, x0, b, jac_sparsity=1, rule="jvp", linear_solver="gmres",
+                               rtol=1e-12, atol=1e-12), (b,), (db,)))(b, jnp.asarray(db))
     np.testing.assert_allclose(jnp.concatenate([t["a"], t["b"]]), np.linalg.solve(J, db),
                                rtol=1e-8, atol=1e-10)
 
@@ -96,13 +96,15 @@ def test_a_pattern_missing_entries_fails_the_gradient_and_says_why(x64):
     def total(b, width):
         return solvers.root(G, jnp.zeros(50), b, jac_sparsity=width).sum()
 
+    grad = jax.jit(jax.grad(total), static_argnums=1)  # (one program per band)
     with pytest.raises(Exception, match="jac_sparsity's structured solve; a pattern that "
                                         "misses nonzero entries"):
-        jax.block_until_ready(jax.grad(total)(jnp.ones(50), 1))
-    g = jax.grad(total)(jnp.ones(50), 2)  # the right band: d sum(x*)/db = J⁻ᵀ 1
+        jax.block_until_ready(grad(jnp.ones(50), 1))
+    g = grad(jnp.ones(50), 2)  # the right band: d sum(x*)/db = J⁻ᵀ 1
     x = solvers.root(G, jnp.zeros(50), jnp.ones(50), jac_sparsity=2)
-    assert float(jnp.max(jnp.abs(G(x, jnp.ones(50))))) < 1e-9  # (rtol 1e-8 on the step)
-    jac = np.asarray(jax.jacfwd(G)(x, jnp.ones(50)))
+    value, jac = jax.jit(lambda x, b: (G(x, b), jax.jacfwd(G)(x, b)))(x, jnp.ones(50))
+    assert float(np.max(np.abs(np.asarray(value)))) < 1e-9  # (rtol 1e-8 on the step)
+    jac = np.asarray(jac)
     np.testing.assert_allclose(g, np.linalg.solve(jac.T, np.ones(50)), rtol=1e-8)
 
 

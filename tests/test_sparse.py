@@ -84,26 +84,34 @@ def _factors(s, A):
     return s.factor(s.jacobian(lambda v: A @ v, jnp.zeros(A.shape[0], A.dtype)))
 
 
-def _dense_solve_case(rng, n, density, c):
-    """``(s, factors, A)``: the structure of a random pattern ``W`` and the factors of
-    ``A = I - c W``, formed from ``W``'s blocks by ``eye_minus`` (one jitted program)."""
+def _dense_case(rng, n, density, c):
+    """``(s, W, A)``: the structure of a random pattern, its matrix ``W`` and
+    ``A = I - c W`` (NumPy)."""
     P, W = _random_problem(rng, n, density)
-    s = structure(P, n)
-    factors = jax.jit(lambda W: s.factor(s.eye_minus(c, s.jacobian(lambda v: W @ v,
-                                                                    jnp.zeros(n)))))(
-        jnp.asarray(W))
-    return s, factors, np.eye(n) - c * W
+    return structure(P, n), jnp.asarray(W), np.eye(n) - c * W
+
+
+def _eye_minus_factors(s, c, W):
+    """The factors of ``I - c W``, formed from ``W``'s blocks by ``eye_minus``. Called
+    inside the tests' ``jax.jit``, with the solves (one program per case)."""
+    return s.factor(s.eye_minus(c, s.jacobian(lambda v: W @ v, jnp.zeros(W.shape[0],
+                                                                          W.dtype))))
 
 
 @pytest.mark.parametrize("n,density,c", [(1, 1.0, 0.3), (30, 0.08, 0.2), (80, 0.02, 0.7),
                                          (200, 0.005, 0.1)])
 def test_block_lu_solve_against_numpy(x64, n, density, c):
     rng = np.random.default_rng(n)
-    s, factors, A = _dense_solve_case(rng, n, density, c)
+    s, W, A = _dense_case(rng, n, density, c)
     b = rng.standard_normal(n)
-    x, ax, inv_b = jax.jit(lambda factors, b: (
-        s.solve(factors, b), s.matvec(factors[1], b), s.apply_inverse(factors[0], b)))(
-        factors, jnp.asarray(b))
+
+    @jax.jit
+    def solves(W, b):
+        factors = _eye_minus_factors(s, c, W)
+        return (s.solve(factors, b), s.matvec(factors[1], b),
+                s.apply_inverse(factors[0], b))
+
+    x, ax, inv_b = solves(W, jnp.asarray(b))
     np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
     np.testing.assert_allclose(ax, A @ b, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(inv_b, np.linalg.solve(A, b), rtol=1e-10, atol=1e-11)
@@ -113,12 +121,13 @@ def test_transpose_solve(x64):
     """Reverse mode through the solve is the transposed solve (custom_linear_solve)."""
     rng = np.random.default_rng(3)
     n = 70
-    s, factors, A = _dense_solve_case(rng, n, 0.04, 0.5)
+    s, W, A = _dense_case(rng, n, 0.04, 0.5)
     b = jnp.asarray(rng.standard_normal(n))
     w = rng.standard_normal(n)
 
     @jax.jit
-    def derivatives(factors, b, w):
+    def derivatives(W, b, w):
+        factors = _eye_minus_factors(s, 0.5, W)
         g = jax.grad(lambda b: jnp.dot(w, s.solve(factors, b)))(b)
         # the transpose's own code path (as a linear solve's transpose), directly
         xt = jax.linear_transpose(lambda v: s.solve(factors, v), b)(w)[0]
@@ -126,7 +135,7 @@ def test_transpose_solve(x64):
         _, t = jax.jvp(lambda b: s.solve(factors, b), (b,), (w,))
         return g, xt, t
 
-    g, xt, t = derivatives(factors, b, jnp.asarray(w))
+    g, xt, t = derivatives(W, b, jnp.asarray(w))
     np.testing.assert_allclose(g, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
     np.testing.assert_allclose(xt, np.linalg.solve(A.T, w), rtol=1e-10, atol=1e-11)
     np.testing.assert_allclose(t, np.linalg.solve(A, w), rtol=1e-10, atol=1e-11)
@@ -213,7 +222,8 @@ def test_large_band_solve_under_jit(x64):
         return sum(coef[k + 3] * pad[3 + k: 3 + k + n] for k in offsets)
 
     x = jnp.asarray(rng.standard_normal(n))
-    np.testing.assert_allclose(matvec(x), Wsp @ np.asarray(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(jax.jit(matvec)(x), Wsp @ np.asarray(x), rtol=1e-12,
+                               atol=1e-12)  # (one program, not one per operation)
     s = structure(3, n)
     run = jax.jit(lambda b: s.solve(s.factor(s.eye_minus(0.1, s.jacobian(matvec, b))), b))
     A = (sp.eye(n) - 0.1 * Wsp).tocsc()
