@@ -89,8 +89,8 @@ def test_solution_and_gradient_in_half_precision(name, dtype):
     solve, matrix, system = CASES[name]
     rtol = _checks.default_tolerances(dtype)[0]
     m, b = jnp.asarray(matrix, dtype), jnp.asarray(B64, dtype)
-    x = jax.jit(solve)(m, b)
-    g = jax.jit(jax.grad(lambda b: jnp.sum(solve(m, b))))(b)
+    # (the solution and the gradient of its sum in one program)
+    x, g = jax.jit(lambda m, b: (solve(m, b), jax.grad(lambda b: jnp.sum(solve(m, b)))(b)))(m, b)
     assert x.dtype == dtype and g.dtype == dtype
     # The oracle for the matrix as rounded to the dtype (its rounding is the input's).
     k = system(np.asarray(m, np.float64))
@@ -125,6 +125,10 @@ def test_default_tolerances_follow_the_dtype():
         assert _checks.default_tolerances(dtype) == (4 * eps, 0.4 * eps)
 
 
+def _linear_ode(y, t, a):
+    return a @ y
+
+
 def test_kvaerno5_stage_solves_stop_at_rounding():
     # kvaerno5's stage solves stop at 1% of the error tolerance, floored at 10 eps: at rtol
     # 1e-7 in float32 the unfloored 1e-9 is below rounding, no stage solve converged and
@@ -133,7 +137,8 @@ def test_kvaerno5_stage_solves_stop_at_rounding():
 
     rng = np.random.default_rng(0)
     a = -np.diag([1.0, 10.0, 100.0, 1000.0]) + 0.1 * rng.standard_normal((4, 4))
-    ys = solvers.odeint(lambda y, t, a: a @ y, jnp.ones(4, jnp.float32), jnp.array([0.0, 2.0]),
-                        jnp.asarray(a, jnp.float32), method="kvaerno5", rtol=1e-7, atol=1e-7)
+    ys = jax.jit(lambda a: solvers.odeint(_linear_ode, jnp.ones(4, jnp.float32),
+                                          jnp.array([0.0, 2.0]), a, method="kvaerno5",
+                                          rtol=1e-7, atol=1e-7))(jnp.asarray(a, jnp.float32))
     ref = scipy.linalg.expm(2.0 * a) @ np.ones(4)
     assert _rel(ys[-1], ref) < 1e-5
