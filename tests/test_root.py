@@ -116,11 +116,10 @@ def test_scalar_and_float64(x64):
 def test_line_search_rescues_newton_where_full_steps_diverge():
     # Newton on arctan diverges from |x0| > 1.39 (steps overshoot and grow).
     F = lambda x: jnp.arctan(x)  # noqa: E731
-    x_full, info_full = solvers.newton(
-        F, jnp.array([2.0]), line_search=False, on_failure="ignore", full_output=True
-    )
+    (x_full, info_full), (x, info) = jax.jit(lambda x0: (  # one program
+        solvers.newton(F, x0, line_search=False, on_failure="ignore", full_output=True),
+        solvers.newton(F, x0, full_output=True)))(jnp.array([2.0]))
     assert not bool(info_full.converged)
-    x, info = solvers.newton(F, jnp.array([2.0]), full_output=True)
     assert bool(info.converged)
     np.testing.assert_allclose(x, [0.0], atol=1e-6)
 
@@ -215,8 +214,8 @@ def test_jit_vmap_and_jacrev():
 
 
 def test_vmap_over_initial_guess_and_parameters(x64):
-    bs = jnp.stack([jnp.asarray(B_COUPLED), 2 * jnp.asarray(B_COUPLED)])
-    x0s = jnp.stack([jnp.zeros(4), jnp.ones(4)])
+    bs = np.stack([B_COUPLED, 2 * B_COUPLED])  # (inputs in NumPy)
+    x0s = np.stack([np.zeros(4), np.ones(4)])
     xs = jax.jit(jax.vmap(lambda x0, b: solvers.newton(coupled, x0, THETA, b)))(x0s, bs)
     for x, b in zip(xs, bs):
         np.testing.assert_allclose(x, coupled_reference(THETA, np.asarray(b))[0], rtol=1e-9)
