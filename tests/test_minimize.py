@@ -60,10 +60,12 @@ def ridge_solution(lam):
                                                     for m in METHODS[1:]])
 def test_quadratic_minimum_and_gradient(method, x64):
     a, b = jnp.asarray(A), jnp.asarray(B)
-    x = solvers.minimize(quadratic, jnp.zeros(3), a, b, method=method)
+
+    def solve(b):
+        return solvers.minimize(quadratic, jnp.zeros(3), a, b, method=method)
+
+    x, jac = jax.jit(lambda b: (solve(b), jax.jacrev(solve)(b)))(b)  # one program
     np.testing.assert_allclose(x, np.linalg.solve(A, B), rtol=1e-6, atol=1e-8)
-    jac = jax.jacrev(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b,
-                                                method=method))(b)
     np.testing.assert_allclose(jac, np.linalg.inv(A), rtol=1e-6, atol=1e-8)
 
 
@@ -86,8 +88,9 @@ def test_ridge_gradient_wrt_regularisation(x64):
     x, y = jnp.asarray(X_DATA), jnp.asarray(Y_DATA)
     solve = lambda lam: solvers.minimize(ridge, jnp.zeros(4), lam, x, y)  # noqa: E731
     w_expected, dw_expected = ridge_solution(0.3)
-    np.testing.assert_allclose(solve(0.3), w_expected, rtol=1e-7)
-    np.testing.assert_allclose(jax.jacrev(solve)(0.3), dw_expected, rtol=1e-6)
+    w, dw = jax.jit(lambda lam: (solve(lam), jax.jacrev(solve)(lam)))(0.3)  # one program
+    np.testing.assert_allclose(w, w_expected, rtol=1e-7)
+    np.testing.assert_allclose(dw, dw_expected, rtol=1e-6)
 
 
 @SLOW
@@ -118,12 +121,12 @@ def test_jit_vmap_and_grad_of_grad(x64):
     a = jnp.asarray(A)
     bs = jnp.stack([jnp.asarray(B), 2.0 * jnp.asarray(B)])
     solve = jax.jit(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b))
-    np.testing.assert_allclose(jax.vmap(solve)(bs), np.linalg.solve(A, np.asarray(bs).T).T,
-                               rtol=1e-6)
     # d²/ds² of sum(x*(s b))² = 2 |A⁻¹ b|² (x* is linear in s).
     f = lambda s: jnp.sum(solvers.minimize(quadratic, jnp.zeros(3), a, s * bs[0]) ** 2)  # noqa: E731
+    xs, gg = jax.jit(lambda bs, s: (jax.vmap(solve)(bs), jax.grad(jax.grad(f))(s)))(bs, 1.0)
+    np.testing.assert_allclose(xs, np.linalg.solve(A, np.asarray(bs).T).T, rtol=1e-6)
     expected = 2 * np.sum(np.linalg.solve(A, B) ** 2)
-    np.testing.assert_allclose(jax.grad(jax.grad(f))(1.0), expected, rtol=1e-6)
+    np.testing.assert_allclose(gg, expected, rtol=1e-6)
 
 
 @pytest.mark.transforms("minimize", "jvp, jacfwd", "hessian", option='rule="jvp"')
@@ -153,7 +156,7 @@ def test_pytree_guess_and_closed_over_parameter(x64):
 
     target = None
     t0 = jnp.array([0.5, -1.0])
-    np.testing.assert_allclose(jax.grad(loss)(t0), 2 * t0, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(t0), 2 * t0, rtol=1e-6)
 
 
 def test_has_aux_returns_aux_at_the_solution(x64):
@@ -162,13 +165,14 @@ def test_has_aux_returns_aux_at_the_solution(x64):
         return value, {"value": value, "double": 2 * x}
 
     b = jnp.array([1.0, 2.0])
-    x, aux, info = solvers.minimize(fun, jnp.zeros(2), b, has_aux=True, full_output=True)
+    jac = jax.jacrev(lambda b: solvers.minimize(fun, jnp.zeros(2), b, has_aux=True)[1]["double"])
+    (x, aux, info), jac_b = jax.jit(lambda b: (  # one program
+        solvers.minimize(fun, jnp.zeros(2), b, has_aux=True, full_output=True), jac(b)))(b)
     assert bool(info.converged)
     np.testing.assert_allclose(x, b, rtol=1e-8)
     np.testing.assert_allclose(aux["double"], 2 * b, rtol=1e-8)
     # aux is differentiable through x*: d(2 x*)/db = 2 I.
-    jac = jax.jacrev(lambda b: solvers.minimize(fun, jnp.zeros(2), b, has_aux=True)[1]["double"])
-    np.testing.assert_allclose(jac(b), 2 * np.eye(2), rtol=1e-8)
+    np.testing.assert_allclose(jac_b, 2 * np.eye(2), rtol=1e-8)
 
 
 def test_guess_at_the_minimum_takes_zero_steps():
@@ -192,7 +196,7 @@ def test_nan_objective_and_nan_policy():
                                full_output=True)
     assert info.status_name == "nonfinite"
     # 'nan' marks exactly the failed batch elements.
-    xs = jax.vmap(lambda c: solvers.minimize(fun, jnp.zeros(2), c, on_failure="nan"))(
+    xs = jax.jit(jax.vmap(lambda c: solvers.minimize(fun, jnp.zeros(2), c, on_failure="nan")))(
         jnp.array([2.0, -1.0]))
     np.testing.assert_allclose(xs[0], [1.0, 1.0], rtol=1e-4)
     assert np.all(np.isnan(xs[1]))
@@ -215,12 +219,13 @@ def test_optax_transformation_runs_to_convergence(x64):
     import optax
 
     a, b = jnp.asarray(A), jnp.asarray(B)
-    x, info = solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM, max_steps=5000,
-                               full_output=True)
+    (x, info), jac = jax.jit(lambda b: (  # one program
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM, max_steps=5000,
+                         full_output=True),
+        jax.jacrev(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM,
+                                              max_steps=5000))(b)))(b)
     assert bool(info.converged)
     np.testing.assert_allclose(x, np.linalg.solve(A, B), rtol=1e-6, atol=1e-8)
-    jac = jax.jacrev(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b, method=ADAM,
-                                                max_steps=5000))(b)
     np.testing.assert_allclose(jac, np.linalg.inv(A), rtol=1e-6, atol=1e-8)
     with pytest.raises(ValueError, match="or an optax GradientTransformation"):
         solvers.minimize(quadratic, jnp.zeros(3), a, b, method=optax)
@@ -266,11 +271,13 @@ def test_bounds_solution_and_implicit_derivative(method, x64):
     np.testing.assert_allclose(x, [0.0, free[0], 1.0, free[1]], atol=1e-6)
     if method != ADAM:  # (derivatives: once is enough)
         return
-    jac = np.asarray(jax.jacobian(solve)(c, 1.0))
+    jac, g_hi = jax.jit(lambda c, hi: (jax.jacobian(solve)(c, hi),  # one program
+                                       jax.grad(lambda hi: solve(c, hi)[2])(hi)))(c, 1.0)
+    jac = np.asarray(jac)
     np.testing.assert_allclose(np.diag(jac), [0.0, *(1 / (1 + 1.2 * free**2))][:2] +
                                [0.0, 1 / (1 + 1.2 * free[1] ** 2)], atol=1e-6)
     np.testing.assert_allclose(jac - np.diag(np.diag(jac)), 0.0, atol=1e-8)
-    np.testing.assert_allclose(jax.grad(lambda hi: solve(c, hi)[2])(1.0), 1.0, rtol=1e-8)
+    np.testing.assert_allclose(g_hi, 1.0, rtol=1e-8)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -315,7 +322,9 @@ def test_bounds_rosenbrock_against_scipy_lbfgsb(x64):
 
     lower, upper = np.array([-2.0, -2.0]), np.array([0.5, 2.0])
     ref = scipy.optimize.minimize(lambda x: float(rosen(x)), np.array([-1.2, 1.0]),
-                                  jac=lambda x: np.asarray(jax.grad(rosen)(x)),
+                                  jac=lambda x: np.array([  # closed form, in NumPy
+                                      -400.0 * x[0] * (x[1] - x[0] ** 2) - 2 * (1.0 - x[0]),
+                                      200.0 * (x[1] - x[0] ** 2)]),
                                   method="L-BFGS-B", bounds=list(zip(lower, upper)),
                                   options={"ftol": 1e-15, "gtol": 1e-12}).x
     for method in ("lbfgs", "bfgs"):
@@ -327,9 +336,11 @@ def test_bounds_rosenbrock_against_scipy_lbfgsb(x64):
 
 def test_inactive_bounds_change_nothing_and_bad_bounds_are_reported(x64):
     a, b = jnp.asarray(A), jnp.asarray(B)
-    x = solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=-10.0, upper=10.0)
+    x, g = jax.jit(lambda b: (  # one program
+        solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=-10.0, upper=10.0),
+        jax.jacobian(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b,
+                                                lower=-10.0))(b)))(b)
     np.testing.assert_allclose(x, np.linalg.solve(A, B), rtol=1e-7)
-    g = jax.jacobian(lambda b: solvers.minimize(quadratic, jnp.zeros(3), a, b, lower=-10.0))(b)
     np.testing.assert_allclose(g, np.linalg.inv(A), rtol=1e-6)
     with pytest.raises(ValueError, match="`upper` must be a scalar or a pytree shaped like x0"):
         solvers.minimize(quadratic, jnp.zeros(3), a, b, upper=jnp.zeros(2))
