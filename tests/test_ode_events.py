@@ -245,7 +245,7 @@ def test_event_that_never_fires_is_an_ordinary_result(x64):
 
 
 def test_without_event_the_event_fields_are_none(x64):
-    _, info = odeint(decay, 1.0, TS, 0.5, 0.0, full_output=True)
+    _, info = jax.jit(lambda k: odeint(decay, 1.0, TS, k, 0.0, full_output=True))(0.5)
     assert info.event_time is None and info.event_state is None and info.event_index is None
 
 
