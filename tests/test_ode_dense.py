@@ -5,6 +5,8 @@ Oracles are closed forms: ``y(t) = expm(A t) y0`` for a linear system (SciPy's `
 ``π/2 + k π`` of ``cos``. Nothing here takes an expected value from the code under test.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +44,23 @@ def exact(t):
     return np.stack([scipy.linalg.expm(A * s) @ Y0 for s in np.ravel(t)])
 
 
+@functools.partial(jax.jit, static_argnames=("method", "ts", "points"))
+def dense_curve(rtol, method, ts, points):
+    """The dense output on ``points`` times over ``ts``: one program per method, rtol traced."""
+    _, info = odeint(linear, jnp.array(Y0), jnp.array(ts), jnp.array(A), method=method,
+                     rtol=rtol, atol=rtol * 1e-2, dense=True, full_output=True)
+    return info.solution.evaluate(np.linspace(ts[0], ts[-1], points)), info
+
+
+@functools.lru_cache
+def exact_curve(ts, points):
+    """``exact`` on the grid of ``dense_curve`` (401 expm: computed once per grid)."""
+    return exact(np.linspace(ts[0], ts[-1], points))
+
+
 def dense_error(method, rtol, ts=(0.0, 10.0), points=401):
-    ts = jnp.array(ts)
-    _, info = odeint(linear, jnp.array(Y0), ts, jnp.array(A), method=method, rtol=rtol,
-                     atol=rtol * 1e-2, dense=True, full_output=True)
-    t = np.linspace(float(ts[0]), float(ts[-1]), points)
-    ys = np.asarray(info.solution.evaluate(jnp.array(t)))
-    return np.max(np.abs(ys - exact(t))), info
+    ys, info = dense_curve(rtol, method, ts, points)
+    return np.max(np.abs(np.asarray(ys) - exact_curve(ts, points))), info
 
 
 # --- dense output ---------------------------------------------------------------------
@@ -79,7 +91,7 @@ def test_dense_error_shrinks_with_rtol(x64, method):
 
 
 def test_dense_jit_and_vmap_over_y0(x64):
-    t = jnp.linspace(0.0, 5.0, 33)
+    t = np.linspace(0.0, 5.0, 33)
 
     @jax.jit
     def curve(y0):
@@ -101,8 +113,12 @@ def test_dense_batched_solution_evaluates_under_vmap(x64):
                       dense=128, full_output=True)[1].solution
 
     ks = jnp.array([0.5, 1.0, 2.0])
-    sols = jax.vmap(solve)(ks)  # a batched pytree
-    got = jax.vmap(lambda s: s.evaluate(jnp.array([0.5, 1.5])))(sols)
+    @jax.jit  # one program: the batched solve and its evaluation
+    def run(ks):
+        sols = jax.vmap(solve)(ks)  # a batched pytree
+        return jax.vmap(lambda s: s.evaluate(jnp.array([0.5, 1.5])))(sols)
+
+    got = run(ks)
     want = np.exp(-np.outer(np.asarray(ks), [0.5, 1.5]))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-8)
 
@@ -117,7 +133,7 @@ def test_dense_grad_at_fixed_time_closed_form(x64, adjoint):
 
     y0, k, t = 2.0, 0.7, 1.234
     y = y0 * np.exp(-k * t)
-    g = jax.grad(y_at, argnums=(0, 1, 2))(y0, k, t)
+    g = jax.jit(jax.grad(y_at, argnums=(0, 1, 2)))(y0, k, t)
     np.testing.assert_allclose([float(v) for v in g], [np.exp(-k * t), -t * y, -k * y],
                                rtol=1e-7)
 
@@ -132,7 +148,7 @@ def test_dense_grad_linear_system_wrt_y0_and_matrix(x64):
                          dense=256, full_output=True)
         return jnp.dot(jnp.array(c), info.solution.evaluate(t))
 
-    g_y0, g_a = jax.grad(loss, argnums=(0, 1))(jnp.array(Y0), jnp.array(A))
+    g_y0, g_a = jax.jit(jax.grad(loss, argnums=(0, 1)))(Y0, A)
     np.testing.assert_allclose(np.asarray(g_y0), scipy.linalg.expm(A * t).T @ c, rtol=1e-7)
     want = np.zeros((2, 2))
     eps = 1e-6
@@ -153,9 +169,14 @@ def test_dense_outside_span_is_nan_and_so_is_its_gradient(x64):
     # One compile: the values at times before, at and inside the span, at its end and
     # after it, and the derivative of each (jacrev: each row is the gradient of a loss
     # using that value alone, while the others in the batch are NaN).
+    # (The values ride along as jacrev's aux: one forward solve.)
     ts = jnp.array([-0.5, 0.0, 1.0, 2.0, 2.5])
-    vals, jac = map(np.asarray, jax.jit(
-        lambda k: (y_at(k, ts), jax.jacrev(y_at)(k, ts)))(0.5))
+
+    def y_at_aux(k):
+        y = y_at(k, ts)
+        return y, y
+
+    jac, vals = map(np.asarray, jax.jit(jax.jacrev(y_at_aux, has_aux=True))(0.5))
     assert np.isnan(vals[0]) and np.isnan(vals[4])
     np.testing.assert_allclose(vals[1:4], np.exp(-0.5 * np.array([0.0, 1.0, 2.0])), rtol=1e-5)
     assert np.isnan(jac[0]) and np.isnan(jac[4])
@@ -166,23 +187,30 @@ def test_dense_outside_span_is_nan_and_so_is_its_gradient(x64):
 
 
 def test_dense_capacity_too_small_says_so(x64):
-    ts = jnp.array([0.0, 20.0])
-    _, info = odeint(decay, 1.0, ts, 0.5, rtol=1e-10, atol=1e-12, dense=4, full_output=True)
+    @jax.jit  # one program: the solve and the evaluations inside and before its start
+    def run(k):
+        _, info = odeint(decay, 1.0, jnp.array([0.0, 20.0]), k, rtol=1e-10, atol=1e-12,
+                         dense=4, full_output=True)
+        sol = info.solution
+        inside = jnp.linspace(sol.t_start, 20.0, 9)
+        before = jnp.stack([0.0, 0.5 * sol.t_start])
+        return info, inside, sol.evaluate(inside), sol.evaluate(before)
+
+    info, inside, at_inside, before = run(0.5)
     sol = info.solution
     assert int(info.num_accepted) > 4
     assert not bool(sol.complete) and int(sol.num_kept) == 4
     t_start = float(sol.t_start)
     assert 0.0 < t_start < 20.0
-    inside = np.linspace(t_start, 20.0, 9)
-    np.testing.assert_allclose(np.asarray(sol.evaluate(jnp.array(inside))),
-                               np.exp(-0.5 * inside), rtol=1e-8)
-    before = np.asarray(sol.evaluate(jnp.array([0.0, 0.5 * t_start])))
-    assert np.all(np.isnan(before))
+    np.testing.assert_allclose(np.asarray(inside), np.linspace(t_start, 20.0, 9), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(at_inside), np.exp(-0.5 * np.asarray(inside)),
+                               rtol=1e-8)
+    assert np.all(np.isnan(np.asarray(before)))
 
 
 def test_dense_true_keeps_every_step(x64):
-    _, info = odeint(decay, 1.0, jnp.array([0.0, 20.0]), 0.5, dense=True, max_steps=500,
-                     full_output=True)
+    _, info = jax.jit(lambda k: odeint(decay, 1.0, jnp.array([0.0, 20.0]), k, dense=True,
+                                       max_steps=500, full_output=True))(0.5)
     assert info.solution.record.s.shape == (500,)
     assert bool(info.solution.complete)
 
@@ -190,35 +218,50 @@ def test_dense_true_keeps_every_step(x64):
 def test_dense_with_terminal_event_covers_up_to_the_event(x64):
     # y = exp(-k t) falls to c at t_e = log(1/c)/k; the solution covers [0, t_e].
     k, c = 0.5, 0.25
-    _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, event=lambda y, t, k: y - c,
-                     rtol=1e-10, atol=1e-12, dense=128, full_output=True)
     t_e = np.log(1 / c) / k
-    sol = info.solution
-    np.testing.assert_allclose(float(sol.t_end), t_e, rtol=1e-9)
     t = np.linspace(0.0, t_e, 11)
-    np.testing.assert_allclose(np.asarray(sol.evaluate(jnp.array(t))), np.exp(-k * t),
-                               rtol=1e-8)
-    assert np.isnan(float(sol.evaluate(t_e + 0.1)))
+
+    @jax.jit  # one program: the solve and the evaluations up to and past the event
+    def run(k):
+        _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, event=lambda y, t, k: y - c,
+                         rtol=1e-10, atol=1e-12, dense=128, full_output=True)
+        sol = info.solution
+        return sol.t_end, sol.evaluate(t), sol.evaluate(t_e + 0.1)
+
+    t_end, inside, past = run(k)
+    np.testing.assert_allclose(float(t_end), t_e, rtol=1e-9)
+    np.testing.assert_allclose(np.asarray(inside), np.exp(-k * t), rtol=1e-8)
+    assert np.isnan(float(past))
 
 
 def test_dense_pytree_state_and_times_array_shape(x64):
     def f(y, t):
         return {"x": y["v"], "v": -y["x"]}
 
-    _, info = odeint(f, {"x": 0.0, "v": 1.0}, jnp.array([0.0, 3.0]), rtol=1e-10,
-                     atol=1e-12, dense=128, full_output=True)
     t = np.linspace(0.0, 3.0, 6).reshape(2, 3)
-    ys = info.solution.evaluate(jnp.array(t))
+
+    @jax.jit  # one program: the solve and its evaluation
+    def run(y0):
+        _, info = odeint(f, y0, jnp.array([0.0, 3.0]), rtol=1e-10, atol=1e-12, dense=128,
+                         full_output=True)
+        return info.solution.evaluate(jnp.array(t))
+
+    ys = run({"x": 0.0, "v": 1.0})
     assert ys["x"].shape == (2, 3)
     np.testing.assert_allclose(np.asarray(ys["x"]), np.sin(t), atol=1e-9)
     np.testing.assert_allclose(np.asarray(ys["v"]), np.cos(t), atol=1e-9)
 
 
 def test_dense_failure_nan_covers_nothing(x64):
-    _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), 0.5, max_steps=3,
-                     on_failure="nan", dense=16, full_output=True)
-    assert not bool(info.converged)
-    assert np.all(np.isnan(np.asarray(info.solution.evaluate(jnp.array([0.0, 0.01, 5.0])))))
+    @jax.jit  # one program: the solve and its evaluation
+    def run(k):
+        _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, max_steps=3,
+                         on_failure="nan", dense=16, full_output=True)
+        return info.converged, info.solution.evaluate(jnp.array([0.0, 0.01, 5.0]))
+
+    converged, ys = run(0.5)
+    assert not bool(converged)
+    assert np.all(np.isnan(np.asarray(ys)))
 
 
 def test_dense_failure_raises_under_jit_when_only_the_solution_is_used(x64):
@@ -247,7 +290,8 @@ def test_dense_bad_input():
 
 
 def test_without_dense_info_solution_is_none():
-    _, info = odeint(decay, 1.0, jnp.array([0.0, 1.0]), 0.5, full_output=True)
+    _, info = jax.jit(lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k,
+                                       full_output=True))(0.5)
     assert info.solution is None and info.num_events is None
 
 
@@ -257,9 +301,10 @@ def test_without_dense_info_solution_is_none():
 @pytest.mark.parametrize("method", ["dopri5", "tsit5", "kvaerno5"])
 def test_nonterminal_sine_zeros_are_k_pi(x64, method):
     # y = (sin t, cos t): sin crosses zero at k π; the integration goes on to the end.
-    ys, info = odeint(oscillator, jnp.array([0.0, 1.0]), jnp.array([0.0, 5.0, 20.0]),
-                      event=position, event_terminal=False, max_events=10, method=method,
-                      rtol=1e-10, atol=1e-12, full_output=True)
+    ys, info = to_numpy(jax.jit(lambda y0: odeint(
+        oscillator, y0, jnp.array([0.0, 5.0, 20.0]), event=position, event_terminal=False,
+        max_events=10, method=method, rtol=1e-10, atol=1e-12, full_output=True))(
+            jnp.array([0.0, 1.0])))
     assert bool(info.converged) and float(info.t_final) == 20.0
     np.testing.assert_allclose(np.asarray(ys[-1]), [np.sin(20.0), np.cos(20.0)], atol=1e-7)
     n = int(info.num_events)
@@ -275,6 +320,11 @@ def test_nonterminal_sine_zeros_are_k_pi(x64, method):
     assert np.all(np.isnan(np.asarray(info.event_state[n:])))
 
 
+def to_numpy(tree):
+    """The outputs as NumPy arrays (slicing them then compiles nothing)."""
+    return jax.tree.map(np.asarray, tree)
+
+
 def thresholds(y, t, k):
     return y - jnp.array([0.8, 0.5, 0.3, 0.1])
 
@@ -285,9 +335,9 @@ def test_nonterminal_kvaerno5_crossings_are_refined_on_its_own_steps(x64):
     # below its steps): at rtol = 1e-6 the extension's roots were up to 1.2e-6 (relative)
     # off, refined they are within 1.1e-7.
     k, cs = 0.7, np.array([0.8, 0.5, 0.3, 0.1])
-    _, info = odeint(decay, 1.0, jnp.array([0.0, 10.0]), k, event=thresholds,
-                     event_terminal=False, max_events=8, method="kvaerno5", rtol=1e-6,
-                     atol=1e-12, full_output=True)
+    _, info = to_numpy(jax.jit(lambda k: odeint(
+        decay, 1.0, jnp.array([0.0, 10.0]), k, event=thresholds, event_terminal=False,
+        max_events=8, method="kvaerno5", rtol=1e-6, atol=1e-12, full_output=True))(k))
     t_exact = np.log(1 / cs) / k
     assert int(info.num_events) == 4
     np.testing.assert_array_equal(np.asarray(info.event_index[:4]), [0, 1, 2, 3])
@@ -299,13 +349,19 @@ def test_nonterminal_kvaerno5_crossings_are_refined_on_its_own_steps(x64):
 def test_nonterminal_direction_and_several_components_in_time_order(x64):
     # Rising zeros of sin: 2π, 4π; of both sin and cos, merged in time order.
     y0, ts = jnp.array([0.0, 1.0]), jnp.array([0.0, 13.0])
-    _, info = odeint(oscillator, y0, ts, event=position, event_terminal=False,
-                     event_direction="rising", rtol=1e-10, atol=1e-12, full_output=True)
+
+    @jax.jit  # one program: both solves
+    def run(y0):
+        return (odeint(oscillator, y0, ts, event=position, event_terminal=False,
+                       event_direction="rising", rtol=1e-10, atol=1e-12, full_output=True)[1],
+                odeint(oscillator, y0, ts, event=both, event_terminal=False, rtol=1e-10,
+                       atol=1e-12, full_output=True)[1])
+
+    info, info_both = to_numpy(run(y0))
     assert int(info.num_events) == 2
     np.testing.assert_allclose(np.asarray(info.event_time[:2]), [2 * np.pi, 4 * np.pi],
                                rtol=1e-8)
-    _, info = odeint(oscillator, y0, ts, event=both, event_terminal=False, rtol=1e-10,
-                     atol=1e-12, full_output=True)
+    info = info_both
     want = np.sort(np.r_[np.pi * np.arange(1, 5), np.pi / 2 + np.pi * np.arange(0, 4)])
     want_index = np.where(np.isclose(want % np.pi, 0), 0, 1)
     n = int(info.num_events)
@@ -335,7 +391,12 @@ def test_nonterminal_jit_vmap_and_outputs_still_differentiable(x64):
         return info.event_time, info.num_events, ys[-1, 0]
 
     ws = jnp.array([1.0, 2.0])
-    times, counts, _ = jax.jit(jax.vmap(zeros))(ws)
+
+    @jax.jit  # one program: the vmapped solves and the gradient
+    def run(ws, w):
+        return jax.vmap(zeros)(ws), jax.grad(lambda w: zeros(w)[2])(w)
+
+    (times, counts, _), g = run(ws, 2.0)
     for w, row, n in zip(np.asarray(ws), np.asarray(times), np.asarray(counts)):
         k = np.arange(1, 9)
         want = k * np.pi / w
@@ -343,7 +404,6 @@ def test_nonterminal_jit_vmap_and_outputs_still_differentiable(x64):
         assert n == len(want)
         np.testing.assert_allclose(row[:n], want, rtol=1e-8)
     # The outputs keep their gradient: x(T) = sin(w T) / w.
-    g = jax.grad(lambda w: zeros(w)[2])(2.0)
     w, T = 2.0, 5.0
     np.testing.assert_allclose(float(g), T * np.cos(w * T) / w - np.sin(w * T) / w**2,
                                rtol=1e-6)
@@ -379,9 +439,10 @@ def test_complex_split_into_real_and_imaginary_parts(x64):
         dz = -1j * w * (y[0] + 1j * y[1])
         return jnp.stack([dz.real, dz.imag])
 
-    ts = jnp.linspace(0.0, 3.0, 7)
-    ys = odeint(f, jnp.array([z0.real, z0.imag]), ts, rtol=1e-10, atol=1e-12)
-    want = z0 * np.exp(-1j * w * np.asarray(ts))
+    ts = np.linspace(0.0, 3.0, 7)
+    ys = np.asarray(jax.jit(lambda y0: odeint(f, y0, ts, rtol=1e-10, atol=1e-12))(
+        jnp.array([z0.real, z0.imag])))
+    want = z0 * np.exp(-1j * w * ts)
     np.testing.assert_allclose(np.asarray(ys[:, 0] + 1j * ys[:, 1]), want, atol=1e-8)
 
 

@@ -62,6 +62,7 @@ def test_exponential_threshold_time_state_and_gradients(x64, method):
 
     # One compilation: the Jacobian of (t_e, y_e, ys[-1]) with the outputs as aux.
     jac, (ys, info) = jax.jit(jax.jacrev(outputs, argnums=(0, 1, 2), has_aux=True))(y0, k, c)
+    ys, ts = np.asarray(ys), np.asarray(ts)
     np.testing.assert_allclose(info.event_time, t_exact, rtol=1e-7)
     np.testing.assert_allclose(info.event_state, c, rtol=1e-7)
     assert int(info.event_index) == 0 and bool(info.converged)
@@ -107,8 +108,9 @@ def test_threshold_closed_over_is_differentiated(x64):
                           full_output=True)
         return info.event_time
 
-    np.testing.assert_allclose(event_time(0.25), np.log(4) / 0.5, rtol=1e-7)
-    np.testing.assert_allclose(jax.grad(event_time)(0.25), -1 / (0.5 * 0.25), rtol=1e-6)
+    t_e, g = jax.jit(jax.value_and_grad(event_time))(0.25)
+    np.testing.assert_allclose(t_e, np.log(4) / 0.5, rtol=1e-7)
+    np.testing.assert_allclose(g, -1 / (0.5 * 0.25), rtol=1e-6)
 
 
 @pytest.mark.parametrize("adjoint", ["discrete", "backsolve", "interpolate"])
@@ -117,7 +119,8 @@ def test_every_adjoint(x64, adjoint):
         return odeint(decay, 1.0, TS, k, 0.25, event=below, adjoint=adjoint,
                       full_output=True)[1].event_time
 
-    np.testing.assert_allclose(jax.grad(event_time)(0.5), -np.log(4) / 0.25, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(event_time))(0.5), -np.log(4) / 0.25,
+                               rtol=1e-6)
 
 
 # --- a falling body -----------------------------------------------------------------------
@@ -136,6 +139,7 @@ def test_falling_body_impact_time_velocity_and_gradients(x64):
         return jnp.stack([t, v]), (jnp.stack([t, v]), ys)
 
     jac, (tv, ys) = jax.jit(jax.jacrev(outputs, argnums=(0, 1), has_aux=True))(h, g)
+    tv, ys = np.asarray(tv), np.asarray(ys)
     t, v = np.sqrt(2 * h / g), -np.sqrt(2 * g * h)
     np.testing.assert_allclose(tv, [t, v], rtol=1e-8)
     np.testing.assert_allclose(ys[2:], np.broadcast_to([0.0, v], ys[2:].shape), atol=1e-8)
@@ -203,7 +207,7 @@ def test_bouncing_ball_first_three_bounces(x64):
 
 def test_vmap_and_jit_elements_stop_at_different_times(x64):
     g = 9.81
-    hs = jnp.array([1.0, 5.0, 20.0, 500.0])  # the last one is still falling at t = 5
+    hs = np.array([1.0, 5.0, 20.0, 500.0])  # the last one is still falling at t = 5
 
     def time_and_rows(h):
         t, _, ys = impact(h, g)
@@ -212,6 +216,7 @@ def test_vmap_and_jit_elements_stop_at_different_times(x64):
     # One compilation: jit of vmap of value-and-grad (the rows ride along as aux).
     fn = jax.jit(jax.vmap(jax.value_and_grad(time_and_rows, has_aux=True)))
     (times, ys), grads = fn(hs)
+    times, ys, grads = np.asarray(times), np.asarray(ys), np.asarray(grads)
     expected = np.sqrt(2 * np.asarray(hs) / g)
     expected[-1] = np.inf
     np.testing.assert_allclose(times, expected, rtol=1e-8)
@@ -222,19 +227,25 @@ def test_vmap_and_jit_elements_stop_at_different_times(x64):
 
 
 def test_event_that_never_fires_is_an_ordinary_result(x64):
-    ts = jnp.linspace(0.0, 2.0, 5)
-    ys, info = odeint(decay, 1.0, ts, 0.5, 0.0, event=below, full_output=True)
-    plain = odeint(decay, 1.0, ts, 0.5, 0.0)
+    ts = np.linspace(0.0, 2.0, 5)
+
+    @jax.jit  # one program: the solve with the event, without it, and the gradient
+    def run(k):
+        ys, info = odeint(decay, 1.0, ts, k, 0.0, event=below, full_output=True)
+        plain = odeint(decay, 1.0, ts, k, 0.0)
+        g = jax.grad(lambda k: odeint(decay, 1.0, ts, k, 0.0, event=below)[-1])(k)
+        return ys, info, plain, g
+
+    ys, info, plain, g = run(0.5)
     np.testing.assert_allclose(ys, plain, rtol=1e-12)
     assert np.isinf(info.event_time) and np.isnan(info.event_state)
     assert int(info.event_index) == -1 and info.status_name == "converged"
     assert float(info.t_final) == 2.0
-    g = jax.grad(lambda k: odeint(decay, 1.0, ts, k, 0.0, event=below)[-1])(0.5)
     np.testing.assert_allclose(g, -2 * np.exp(-1.0), rtol=1e-7)
 
 
 def test_without_event_the_event_fields_are_none(x64):
-    _, info = odeint(decay, 1.0, TS, 0.5, 0.0, full_output=True)
+    _, info = jax.jit(lambda k: odeint(decay, 1.0, TS, k, 0.0, full_output=True))(0.5)
     assert info.event_time is None and info.event_state is None and info.event_index is None
 
 
@@ -263,12 +274,14 @@ def test_pytree_event_reports_which_leaf_fired(x64):
     def events(y, t, k, c):
         return {"a_low": y - 0.1, "b_high": y - 0.5}  # leaves in key order
 
-    ys, info = odeint(decay, 1.0, TS, 1.0, 0.0, event=events, full_output=True)
+    def event_time(k):
+        _, info = odeint(decay, 1.0, TS, k, 0.0, event=events, full_output=True)
+        return info.event_time, info
+
+    (_, info), g = jax.jit(jax.value_and_grad(event_time, has_aux=True))(1.0)
     np.testing.assert_allclose(info.event_time, np.log(2.0), rtol=1e-8)
     assert int(info.event_index) == 1
-    np.testing.assert_allclose(jax.grad(
-        lambda k: odeint(decay, 1.0, TS, k, 0.0, event=events, full_output=True)[1].event_time
-    )(1.0), -np.log(2.0), rtol=1e-7)
+    np.testing.assert_allclose(g, -np.log(2.0), rtol=1e-7)
 
 
 # --- failures and bad input -------------------------------------------------------------
@@ -289,17 +302,23 @@ def test_nan_event_raises_naming_the_event_function(x64):
 
 
 def test_nan_event_follows_on_failure(x64):
-    ys, info = odeint(decay, 1.0, TS, 0.5, 0.0, event=nan_late, on_failure="nan",
-                      full_output=True)
+    @jax.jit  # one program: both on_failure settings and the gradient
+    def run(k):
+        nan = odeint(decay, 1.0, TS, k, 0.0, event=nan_late, on_failure="nan",
+                     full_output=True)
+        ignore = odeint(decay, 1.0, TS, k, 0.0, event=nan_late, on_failure="ignore",
+                        full_output=True)
+        grad = jax.grad(lambda k: odeint(decay, 1.0, TS, k, 0.0, event=nan_late,
+                                         on_failure="nan", full_output=True)[0][0])(k)
+        return nan, ignore, grad
+
+    (ys, info), (ys_ignore, info_ignore), grad = run(0.5)
     assert info.status_name == "nonfinite" and np.all(np.isnan(ys))
     assert np.isnan(info.event_time)
-    ys, info = odeint(decay, 1.0, TS, 0.5, 0.0, event=nan_late, on_failure="ignore",
-                      full_output=True)
+    ys, info = np.asarray(ys_ignore), info_ignore
     assert info.status_name == "nonfinite" and np.isnan(info.event_time)
     np.testing.assert_allclose(ys[:2], np.exp(-0.5 * np.asarray(TS[:2])), rtol=1e-7)
     assert np.all(np.isnan(ys[2:]))
-    grad = jax.grad(lambda k: odeint(decay, 1.0, TS, k, 0.0, event=nan_late, on_failure="nan",
-                                     full_output=True)[0][0])(0.5)
     assert np.isnan(grad)  # a failed forward pass gives NaN gradients, not numbers
 
 
