@@ -233,9 +233,12 @@ def test_adjoint_tolerances_knob(x64):
     # (of the continuous adjoints: the discrete one has no backward tolerances).
     p = jnp.array(LV_PARAMS)
 
+    # The tolerances are traced: one program for both.
+    grad = jax.jit(jax.grad(lambda p, tol: lv_loss(p, "dopri5", 1e-10, 1e-10, adjoint="backsolve",
+                                                   adjoint_rtol=tol, adjoint_atol=tol)))
+
     def err(adjoint_tol):
-        g = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint="backsolve",
-                              adjoint_rtol=adjoint_tol, adjoint_atol=adjoint_tol)
+        g = grad(p, adjoint_tol)
         return np.max(np.abs(g - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF))
 
     assert err(1e-4) > 3e-5  # a loose backward pass shows
@@ -260,7 +263,9 @@ def test_pytree_state_and_args(x64):
     assert isinstance(ys, State) and ys.x.shape == (5, 2)
     expected = np.cos(1.3 * np.asarray(ts))[:, None] * np.array([1.0, 2.0])
     np.testing.assert_allclose(ys.x, expected, rtol=1e-8, atol=1e-10)
-    grad = jax.grad(lambda p: odeint(f, y0, ts, p, rtol=1e-10, atol=1e-12).x[-1, 0])({"w": 1.3})
+    grad = jax.jit(jax.grad(lambda p: odeint(f, y0, ts, p, rtol=1e-10, atol=1e-12).x[-1, 0]))(
+        {"w": 1.3}
+    )
     np.testing.assert_allclose(grad["w"], -2.0 * np.sin(2.6), rtol=1e-7)
 
 
@@ -269,16 +274,18 @@ def test_gradient_through_closure(x64):
         return odeint(lambda y, t: jnp.stack([y[1], -(w**2) * y[0]]), jnp.array([1.0, 0.0]),
                       jnp.array([0.0, 2.0]), rtol=1e-10, atol=1e-12)[-1, 0]
 
-    np.testing.assert_allclose(jax.grad(loss)(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
 
 
 @pytest.mark.transforms("odeint", "jit", "vmap", "grad")
 def test_vmap_over_initial_conditions_and_jit(x64):
     ts = jnp.array([0.0, 1.0, 2.0])
     y0s = jnp.array([1.0, 2.0, 3.0])
-    ys = jax.jit(jax.vmap(lambda y0: odeint(decay, y0, ts, 0.5, rtol=1e-10, atol=1e-12)))(y0s)
+    ys, grads = jax.jit(lambda y0s: (
+        jax.vmap(lambda y0: odeint(decay, y0, ts, 0.5, rtol=1e-10, atol=1e-12))(y0s),
+        jax.vmap(jax.grad(lambda y0: odeint(decay, y0, ts, 0.5)[-1]))(y0s),
+    ))(y0s)
     np.testing.assert_allclose(ys, y0s[:, None] * np.exp(-0.5 * np.asarray(ts)), rtol=1e-8)
-    grads = jax.vmap(jax.grad(lambda y0: odeint(decay, y0, ts, 0.5)[-1]))(y0s)
     np.testing.assert_allclose(grads, np.exp(-1.0) * np.ones(3), rtol=1e-7)
 
 
