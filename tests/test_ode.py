@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.linalg
 
 import solvers
 from solvers import _status
@@ -153,11 +154,13 @@ def lv_loss(params, method="dopri5", rtol=1e-6, atol=1e-6, **kw):
 @pytest.mark.parametrize("method", ["dopri5", "tsit5"])
 def test_lotka_volterra_gradient_matches_reference(x64, method):
     p = jnp.array(LV_PARAMS)
-    value, grad = jax.value_and_grad(lv_loss)(p, method, 1e-10, 1e-10)
+    (value, grad), grad_loose = jax.jit(lambda p: (
+        jax.value_and_grad(lv_loss)(p, method, 1e-10, 1e-10), jax.grad(lv_loss)(p, method)
+    ))(p)
     np.testing.assert_allclose(value, LV_LOSS_REF, rtol=1e-9)
     np.testing.assert_allclose(grad, LV_GRAD_REF, rtol=2e-6, atol=2e-3)
     # At the benchmark's tolerance the continuous adjoint is good to about rtol.
-    grad = jax.grad(lv_loss)(p, method)
+    grad = grad_loose
     assert np.max(np.abs(grad - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF)) < 5e-5
 
 
@@ -177,8 +180,8 @@ def test_van_der_pol_gradient_matches_finite_differences(x64):
         return jnp.sum(ys[:, 0] ** 3)
 
     theta = np.array([1.5, 2.0])
-    fd = central_difference(lambda q: loss(q, 1e-12), theta, 1e-5)
-    np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(theta)), fd, rtol=1e-6)
+    fd = central_difference(jax.jit(lambda q: loss(q, 1e-12)), theta, 1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(jnp.asarray(theta)), fd, rtol=1e-6)
 
 
 def test_gradient_with_respect_to_times_and_initial_state(x64):
@@ -190,7 +193,7 @@ def test_gradient_with_respect_to_times_and_initial_state(x64):
         return jnp.sum(jnp.arange(1.0, 5.0) * odeint(decay, y0, ts, k, rtol=1e-10, atol=1e-12))
 
     y0 = 1.5
-    g_y0, g_ts = jax.grad(loss, argnums=(0, 1))(y0, ts)
+    g_y0, g_ts = jax.jit(jax.grad(loss, argnums=(0, 1)))(y0, ts)
     t = np.asarray(ts)
     w = np.arange(1.0, 5.0)
     e = np.exp(-k * (t - t[0]))
@@ -213,8 +216,8 @@ def test_robertson_gradient_interpolating_adjoint(x64):
         return ys[-1, 0] + 1e4 * ys[-1, 1] + ys[1, 0]
 
     logk = np.log(np.array(ROBERTSON_K))
-    fd = central_difference(lambda q: loss(q, 1e-11, 1e-16), logk, 1e-5)
-    np.testing.assert_allclose(jax.grad(loss)(jnp.asarray(logk)), fd, rtol=1e-5)
+    fd = central_difference(jax.jit(lambda q: loss(q, 1e-11, 1e-16)), logk, 1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(jnp.asarray(logk)), fd, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -230,9 +233,12 @@ def test_adjoint_tolerances_knob(x64):
     # (of the continuous adjoints: the discrete one has no backward tolerances).
     p = jnp.array(LV_PARAMS)
 
+    # The tolerances are traced: one program for both.
+    grad = jax.jit(jax.grad(lambda p, tol: lv_loss(p, "dopri5", 1e-10, 1e-10, adjoint="backsolve",
+                                                   adjoint_rtol=tol, adjoint_atol=tol)))
+
     def err(adjoint_tol):
-        g = jax.grad(lv_loss)(p, "dopri5", 1e-10, 1e-10, adjoint="backsolve",
-                              adjoint_rtol=adjoint_tol, adjoint_atol=adjoint_tol)
+        g = grad(p, adjoint_tol)
         return np.max(np.abs(g - LV_GRAD_REF)) / np.max(np.abs(LV_GRAD_REF))
 
     assert err(1e-4) > 3e-5  # a loose backward pass shows
@@ -257,7 +263,9 @@ def test_pytree_state_and_args(x64):
     assert isinstance(ys, State) and ys.x.shape == (5, 2)
     expected = np.cos(1.3 * np.asarray(ts))[:, None] * np.array([1.0, 2.0])
     np.testing.assert_allclose(ys.x, expected, rtol=1e-8, atol=1e-10)
-    grad = jax.grad(lambda p: odeint(f, y0, ts, p, rtol=1e-10, atol=1e-12).x[-1, 0])({"w": 1.3})
+    grad = jax.jit(jax.grad(lambda p: odeint(f, y0, ts, p, rtol=1e-10, atol=1e-12).x[-1, 0]))(
+        {"w": 1.3}
+    )
     np.testing.assert_allclose(grad["w"], -2.0 * np.sin(2.6), rtol=1e-7)
 
 
@@ -266,16 +274,18 @@ def test_gradient_through_closure(x64):
         return odeint(lambda y, t: jnp.stack([y[1], -(w**2) * y[0]]), jnp.array([1.0, 0.0]),
                       jnp.array([0.0, 2.0]), rtol=1e-10, atol=1e-12)[-1, 0]
 
-    np.testing.assert_allclose(jax.grad(loss)(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(1.3), -2.0 * np.sin(2.6), rtol=1e-7)
 
 
 @pytest.mark.transforms("odeint", "jit", "vmap", "grad")
 def test_vmap_over_initial_conditions_and_jit(x64):
     ts = jnp.array([0.0, 1.0, 2.0])
     y0s = jnp.array([1.0, 2.0, 3.0])
-    ys = jax.jit(jax.vmap(lambda y0: odeint(decay, y0, ts, 0.5, rtol=1e-10, atol=1e-12)))(y0s)
+    ys, grads = jax.jit(lambda y0s: (
+        jax.vmap(lambda y0: odeint(decay, y0, ts, 0.5, rtol=1e-10, atol=1e-12))(y0s),
+        jax.vmap(jax.grad(lambda y0: odeint(decay, y0, ts, 0.5)[-1]))(y0s),
+    ))(y0s)
     np.testing.assert_allclose(ys, y0s[:, None] * np.exp(-0.5 * np.asarray(ts)), rtol=1e-8)
-    grads = jax.vmap(jax.grad(lambda y0: odeint(decay, y0, ts, 0.5)[-1]))(y0s)
     np.testing.assert_allclose(grads, np.exp(-1.0) * np.ones(3), rtol=1e-7)
 
 
@@ -292,11 +302,11 @@ def test_grad_of_grad(x64):
 @pytest.mark.transforms("odeint", "jacrev")
 def test_jacrev_matches_matrix_exponential(x64):
     A = jnp.array([[-1.0, 2.0], [0.5, -3.0]])
-    J = jax.jacrev(
+    J = jax.jit(jax.jacrev(
         lambda y0: odeint(lambda y, t: A @ y, y0, jnp.array([0.0, 2.0]), rtol=1e-10,
                           atol=1e-12)[-1]
-    )(jnp.array([1.0, 1.0]))
-    np.testing.assert_allclose(J, jax.scipy.linalg.expm(2 * A), rtol=1e-7)
+    ))(jnp.array([1.0, 1.0]))
+    np.testing.assert_allclose(J, scipy.linalg.expm(2 * np.asarray(A)), rtol=1e-7)
 
 
 @pytest.mark.slow

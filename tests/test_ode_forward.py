@@ -58,12 +58,10 @@ def test_jacfwd_matches_jacrev_of_the_discrete_adjoint(x64, method):
     # kvaerno5; 1e-7 when the check was scaled wrongly and refined most steps).
     ts = jnp.linspace(0.0, 10.0, 20)
     y0 = jnp.array([1.0, 1.0])
-    fwd = jax.jacfwd(lambda p, y0: lv_outputs(p, y0, ts, method, "forward"), (0, 1))(
-        LV_PARAMS, y0
-    )
-    rev = jax.jacrev(lambda p, y0: lv_outputs(p, y0, ts, method, "discrete"), (0, 1))(
-        LV_PARAMS, y0
-    )
+    fwd, rev = jax.jit(lambda p, y0: (
+        jax.jacfwd(lambda p, y0: lv_outputs(p, y0, ts, method, "forward"), (0, 1))(p, y0),
+        jax.jacrev(lambda p, y0: lv_outputs(p, y0, ts, method, "discrete"), (0, 1))(p, y0),
+    ))(LV_PARAMS, y0)
     for a, b in zip(fwd, rev):
         assert rel(a, b) < 1e-8
 
@@ -82,8 +80,8 @@ def test_discrete_adjoint_retakes_no_smooth_step_as_substeps(x64):
                     rtol=1e-8, atol=1e-8)
         return jnp.sum(ys**2)
 
-    g_fwd = jax.grad(loss)(LV_PARAMS, "forward")
-    g_rev = jax.grad(loss)(LV_PARAMS, "discrete")
+    g_fwd, g_rev = jax.jit(lambda p: (jax.grad(loss)(p, "forward"),
+                                      jax.grad(loss)(p, "discrete")))(LV_PARAMS)
     assert rel(g_rev, g_fwd) < 1e-12
 
 
@@ -96,10 +94,9 @@ def test_lotka_volterra_gradient_reference_by_forward_sensitivities(x64):
         return jnp.sum(ys**2)
 
     # Reverse mode through the forward sensitivities (their linear map, transposed).
-    np.testing.assert_allclose(jax.grad(loss)(LV_PARAMS), LV_GRAD_REF, rtol=1e-6)
-    np.testing.assert_allclose(
-        jax.jacfwd(loss)(LV_PARAMS), LV_GRAD_REF, rtol=1e-6
-    )
+    g_rev, g_fwd = jax.jit(lambda p: (jax.grad(loss)(p), jax.jacfwd(loss)(p)))(LV_PARAMS)
+    np.testing.assert_allclose(g_rev, LV_GRAD_REF, rtol=1e-6)
+    np.testing.assert_allclose(g_fwd, LV_GRAD_REF, rtol=1e-6)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -114,13 +111,19 @@ def test_jvp_matches_central_differences(x64, method):
     def fn(p, y0, ts, adjoint="forward", tol=TOL):
         return odeint(lotka_volterra, y0, ts, *p, method=method, adjoint=adjoint, **tol)
 
-    ys, dys = jax.jvp(fn, (jnp.asarray(LV_PARAMS), y0, ts), (dp, dy0, dts))
     tight = dict(rtol=1e-12, atol=1e-13)
     eps = 1e-5
-    plus = fn(LV_PARAMS + eps * dp, y0 + eps * dy0, ts + eps * dts, "discrete", tight)
-    minus = fn(LV_PARAMS - eps * dp, y0 - eps * dy0, ts - eps * dts, "discrete", tight)
+
+    @jax.jit
+    def run(p, y0, ts):
+        # The jvp, the primal by the discrete adjoint and the differences in one program.
+        plus = fn(p + eps * dp, y0 + eps * dy0, ts + eps * dts, "discrete", tight)
+        minus = fn(p - eps * dp, y0 - eps * dy0, ts - eps * dts, "discrete", tight)
+        return jax.jvp(fn, (p, y0, ts), (dp, dy0, dts)), fn(p, y0, ts, "discrete"), plus, minus
+
+    (ys, dys), ys_discrete, plus, minus = run(jnp.asarray(LV_PARAMS), y0, ts)
     fd = (plus - minus) / (2 * eps)
-    np.testing.assert_allclose(ys, fn(LV_PARAMS, y0, ts, "discrete"), rtol=1e-12)
+    np.testing.assert_allclose(ys, ys_discrete, rtol=1e-12)
     assert dys.dtype == jnp.float64
     assert rel(dys, fd) < 1e-6
     np.testing.assert_array_equal(dys[0], dy0)
@@ -137,7 +140,7 @@ def test_linear_system_sensitivities_match_expm(x64, method):
     def final(A, y0):
         return odeint(linear, y0, ts, A, method=method, adjoint="forward", **TOL)[-1]
 
-    dA, dy0 = jax.jacfwd(final, (0, 1))(A, y0)
+    dA, dy0 = jax.jit(jax.jacfwd(final, (0, 1)))(A, y0)
     An, y0n = np.asarray(A), np.asarray(y0)
     np.testing.assert_allclose(dy0, scipy.linalg.expm(An * T), rtol=1e-6, atol=1e-9)
     expected = np.zeros((3, 3, 3))
@@ -166,9 +169,11 @@ def test_hessian_matches_closed_form(x64, method):
                       rtol=1e-10, atol=1e-12)[-1]
 
     p = jnp.array([1.3, 0.8])
-    expected = jax.hessian(exact)(p)
-    assert rel(jax.hessian(final)(p), expected) < 1e-7
-    assert rel(jax.jacfwd(jax.jacfwd(final))(p), expected) < 1e-7
+    expected, H, H_fwd = jax.jit(lambda p: (
+        jax.hessian(exact)(p), jax.hessian(final)(p), jax.jacfwd(jax.jacfwd(final))(p)
+    ))(p)
+    assert rel(H, expected) < 1e-7
+    assert rel(H_fwd, expected) < 1e-7
 
 
 def _rotation(y, t, a, b):  # y' = [[-a, b], [-b, -a]] y: y(t) = e^{-at} R(bt) y0
@@ -248,11 +253,14 @@ def test_forward_mode_under_jit_and_vmap(x64):
         return odeint(decay, y0, ts, k, adjoint="forward", **TOL)
 
     # d/dk y0 exp(-k t) = -t y0 exp(-k t); d/dy0 = exp(-k t).
-    dk = jax.jit(jax.vmap(jax.jacfwd(outputs), (0, None)))(ks, 2.0)
-    expected = -ts[None] * 2.0 * jnp.exp(-ks[:, None] * ts[None])
+    dk, (_, dy) = jax.jit(lambda ks: (
+        jax.vmap(jax.jacfwd(outputs), (0, None))(ks, 2.0),
+        jax.vmap(lambda k: jax.jvp(lambda y0: outputs(k, y0), (2.0,), (1.0,)))(ks),
+    ))(ks)
+    tsn, ksn = np.asarray(ts), np.asarray(ks)
+    expected = -tsn[None] * 2.0 * np.exp(-ksn[:, None] * tsn[None])
     np.testing.assert_allclose(dk, expected, rtol=1e-7, atol=1e-12)
-    _, dy = jax.jit(jax.vmap(lambda k: jax.jvp(lambda y0: outputs(k, y0), (2.0,), (1.0,))))(ks)
-    np.testing.assert_allclose(dy, jnp.exp(-ks[:, None] * ts[None]), rtol=1e-7)
+    np.testing.assert_allclose(dy, np.exp(-ksn[:, None] * tsn[None]), rtol=1e-7)
 
 
 def test_forward_mode_through_closures_and_pytrees(x64):
@@ -266,8 +274,8 @@ def test_forward_mode_through_closures_and_pytrees(x64):
 
     # b(1) = (1 - exp(-k)) / k.
     k = 0.8
-    expected = jax.grad(lambda k: (1 - jnp.exp(-k)) / k)(k)
-    np.testing.assert_allclose(jax.jacfwd(final)(k), expected, rtol=1e-7)
+    expected = (k * np.exp(-k) - (1 - np.exp(-k))) / k**2  # its derivative, by hand
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(final))(k), expected, rtol=1e-7)
 
 
 def test_forward_mode_of_a_reverse_adjoint_names_the_option():
