@@ -27,6 +27,7 @@ cross product is ``@pytest.mark.slow`` (``make test-slow``).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -370,55 +371,42 @@ def _loss(case, on_failure, reduce=None):
     return loss
 
 
-_JITTED = {}
+def _grad_transform(case, on_failure, mode):
+    """`mode`'s gradient transform of `case`: ``a -> (d out / d a, (x, info))``."""
+    if mode == "grad":
+        return jax.grad(_loss(case, on_failure), has_aux=True)
+    if mode == "vmap_grad":
+        return jax.vmap(jax.grad(_loss(case, on_failure), has_aux=True))
+    return jax.grad(_loss(case, on_failure, reduce=jnp.nansum), has_aux=True)  # array_grad
 
 
+@functools.cache
 def _jitted_grad(case, on_failure, mode):
-    """`mode`'s gradient transform of `case` as one jitted program, built once per module.
+    """:func:`_grad_transform` as one jitted program, built once per module.
 
     The eager transforms compile the forward and the backward solve as separate programs;
     under `jit` they are one. Used for the "nan"/"ignore" policies, whose outcomes are
     values; "raise" keeps the eager transforms (its run-time error stops before the
     backward program is compiled)."""
-    key = (case, on_failure, mode)
-    if key not in _JITTED:
-        if mode == "grad":
-            fn = jax.grad(_loss(case, on_failure), has_aux=True)
-        elif mode == "vmap_grad":
-            fn = jax.vmap(jax.grad(_loss(case, on_failure), has_aux=True))
-        else:
-            fn = jax.grad(_loss(case, on_failure, reduce=jnp.nansum), has_aux=True)
-        _JITTED[key] = jax.jit(fn)
-    return _JITTED[key]
+    return jax.jit(_grad_transform(case, on_failure, mode))
 
 
 def _run(case, on_failure, mode, a):
     """Run `case` at parameter(s) `a` in `mode`; block until the results are ready."""
-    if on_failure != "raise" and mode in ("grad", "vmap_grad", "array_grad"):
-        g, (x, info) = _jitted_grad(case, on_failure, mode)(jnp.asarray(a, jnp.float32))
+    g = None
+    if mode in ("grad", "vmap_grad", "array_grad"):
+        transform = (_grad_transform if on_failure == "raise" else _jitted_grad)(
+            case, on_failure, mode)
+        g, (x, info) = transform(jnp.asarray(a, jnp.float32))
     elif mode == "eager":
         x, info = case.solve(jnp.float32(a), on_failure)
-        g = None
     elif mode == "jit":
         x, info = jax.jit(case.solve, static_argnums=1)(jnp.float32(a), on_failure)
-        g = None
     elif mode == "vmap":
         x, info = jax.vmap(case.solve, in_axes=(0, None))(jnp.asarray(a, jnp.float32),
                                                           on_failure)
-        g = None
-    elif mode == "grad":
-        g, (x, info) = jax.grad(_loss(case, on_failure), has_aux=True)(jnp.float32(a))
-    elif mode == "vmap_grad":
-        g, (x, info) = jax.vmap(jax.grad(_loss(case, on_failure), has_aux=True))(
-            jnp.asarray(a, jnp.float32)
-        )
     elif mode == "array":
         x, info = case.solve(jnp.asarray(a, jnp.float32), on_failure)
-        g = None
-    elif mode == "array_grad":
-        g, (x, info) = jax.grad(_loss(case, on_failure, reduce=jnp.nansum), has_aux=True)(
-            jnp.asarray(a, jnp.float32)
-        )
     else:
         raise AssertionError(mode)
     x, info, g = jax.block_until_ready((x, info, g))
