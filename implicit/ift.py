@@ -385,16 +385,24 @@ def _jvp_tangent(config, x, args, consts, args_dot, consts_dot, tol, lin_consts=
     # mode's cotangents, which a select would zero). A singular system otherwise gave
     # finite garbage (1e16 from a dense LU, 1e50 from BiCGSTAB) for jax.jacfwd and
     # jax.grad alike.
-    operands = (x, args, consts, lin_consts)
     x_dot = _linear_solve(config, matvec, jax.tree.map(jnp.negative, rhs), tol, check=False,
-                          role="tangent", operands=operands)
+                          role="tangent", operands=(x, args, consts, lin_consts))
     if config.on_failure != "ignore":
         flat, unravel = ravel_pytree(x)
         # (cosines at incommensurate angles: no structure a singular matrix's range
         # would contain)
         ramp = jnp.arange(flat.size, dtype=flat.dtype)
         probe = _sharding.vary_like(unravel(jnp.cos(1.7 * ramp + 0.3) + 0.5), x)
-        y = _linear_solve(config, matvec, probe, tol, role="tangent", operands=operands)
+        # The probe's outcome is not differentiated (it scales by 1 or NaN), so its
+        # operator is built from the primals with their derivatives stopped. (Built from
+        # the differentiated ones, under a jitted forward-over-reverse (jax.hessian) of a
+        # linear_solver callable closing over a factor of the inputs, JAX 0.10's
+        # custom_linear_solve JVP met the constant right-hand side's symbolic-zero
+        # tangent beside the operator's non-zero ones and failed.)
+        x_s, args_s, consts_s, lin_s = jax.lax.stop_gradient((x, args, consts, lin_consts))
+        _, matvec_s = jax.linearize(lambda y: config.residual_fn(y, *args_s, *consts_s), x_s)
+        y = _linear_solve(config, matvec_s, probe, tol, role="tangent",
+                          operands=(x_s, args_s, consts_s, lin_s))
         scale = jax.tree.map(lambda v: jnp.where(jnp.isfinite(v), 1.0, jnp.nan), y)
         x_dot = jax.tree.map(lambda v, m: v * m.astype(v.dtype), x_dot, scale)
     return x_dot
