@@ -208,6 +208,35 @@ def test_dense_capacity_too_small_says_so(x64):
     assert np.all(np.isnan(np.asarray(before)))
 
 
+def test_dense_ring_buffer_across_chunks_and_under_vmap(x64):
+    """The record is filled in chunks of RECORD_CHUNK accepted steps (an outer loop), and
+    B = 100 is no multiple of it: with more than B steps the chunks wrap around the ring.
+    Kept are exactly the last B steps, contiguous (each starts where the one before
+    ends), at the closed form; the same per element under vmap, where each element
+    takes its own number of steps."""
+    from solvers.ode._integrate import RECORD_CHUNK
+
+    assert 100 % RECORD_CHUNK and 100 > RECORD_CHUNK
+
+    def one(k):
+        _, info = odeint(decay, 1.0, jnp.array([0.0, 0.5, 40.0]), k, rtol=1e-10,
+                         atol=1e-12, dense=100, full_output=True)
+        sol = info.solution
+        inside = jnp.linspace(sol.t_start, 40.0, 7)
+        return info.num_accepted, sol.complete, sol.record.s, sol.record.h, inside, \
+            sol.evaluate(inside)
+
+    ks = np.array([0.5, 0.3, 0.8])
+    n_acc, complete, s, h, inside, at = jax.jit(jax.vmap(one))(jnp.asarray(ks))
+    for j, k in enumerate(ks):
+        assert int(n_acc[j]) > 100 + RECORD_CHUNK and not bool(complete[j])
+        np.testing.assert_allclose(s[j, 1:], s[j, :-1] + h[j, :-1], rtol=1e-14)
+        np.testing.assert_allclose(s[j, -1] + h[j, -1], 40.0, rtol=1e-14)
+        np.testing.assert_allclose(at[j], np.exp(-k * np.asarray(inside[j])), rtol=1e-8,
+                                   atol=1e-11)
+    assert len(set(np.asarray(n_acc).tolist())) > 1  # (their own numbers of steps)
+
+
 def test_dense_true_keeps_every_step(x64):
     _, info = jax.jit(lambda k: odeint(decay, 1.0, jnp.array([0.0, 20.0]), k, dense=True,
                                        max_steps=500, full_output=True))(0.5)
