@@ -743,6 +743,15 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
             radius = jnp.where(retreat, 0.5 * _norm(x - back), radius)
             window = jnp.where(retreat, f_next_norm, window)
             status = jnp.where(retreat, _status.RUNNING, status)
+            # Nowhere to go back to (the guess): the steps are bounded by hybr's first
+            # radius, 100 |x| (100 at x = 0), and the same direction is searched again
+            # within it, once (an unbounded radius only). On Brown's almost-linear system
+            # (n = 30, 40) from its standard start, the last equation's gradient is 2e-9
+            # there, the Newton step 5e8 long, and |F| overflowed at every trial.
+            bound = (fresh & f_ok & ~moved & ~retreat & d_ok & jnp.isinf(radius)
+                     & jnp.any(full[0] != x))
+            radius = jnp.where(bound, _TRUST_RADIUS0 * jnp.maximum(_norm(x), 1.0), radius)
+            status = jnp.where(bound, _status.RUNNING, status)
             moved = moved | retreat
         status = status.astype(jnp.int32)
         # A small step ends the solve only if it can be trusted: from a fresh Jacobian,

@@ -151,3 +151,17 @@ def test_a_stale_small_step_far_from_a_root_is_not_convergence(x64):
     residual = float(np.max(np.abs(np.asarray(jax.jit(F)(x)))))  # (one program, not per op)
     assert not bool(info.converged) or residual <= RESIDUAL_BOUND, (info.status, residual)
     assert bool(info.converged)  # (it solves it: x = 1)
+
+
+def test_newton_bounds_its_steps_where_the_first_direction_overflows(x64):
+    # Brown's almost-linear system (n = 30) from its standard start x = 0.5: the last
+    # equation's gradient is 0.5^29 = 2e-9 there, the Newton step 5e8 long, and |F|
+    # overflowed at every trial of the line search: 'no_decrease' at the guess, with
+    # no earlier iterate to go back to (hybr solves it). Newton then bounds its steps
+    # by hybr's first radius and searches the same direction again. Judged by NumPy.
+    n = 30
+    F = _jnp(mgh.brown_almost_linear)
+    x, info = solvers.newton(F, jnp.full(n, 0.5), rtol=1e-10, atol=1e-10, max_steps=500,
+                             on_failure="ignore", full_output=True)
+    assert bool(info.converged), info.status
+    assert np.max(np.abs(mgh.brown_almost_linear(np.asarray(x), np))) <= RESIDUAL_BOUND
