@@ -111,6 +111,51 @@ def test_linear_dae_gradients(x64):
     np.testing.assert_allclose(np.array(fwd), cf, rtol=1e-6)
 
 
+# --- (e) events and dense output of a DAE --------------------------------------------
+
+
+def test_linear_dae_events_and_dense_output(x64):
+    # y2 = y1 / b = (y10 / b) exp(k t), k = 1/b - a, crosses 0.75 at t_e = ln(0.75 b / y10) / k:
+    # a terminal event on the algebraic variable (its time derivative at the event is the
+    # consistent slope's, k y2: f's second row is 0 there), its derivatives, the dense
+    # output up to it; and non-terminal crossings of both variables. (The dense output's
+    # derivative at a fixed t is a solve's to t: test_linear_dae_gradients.)
+    t_in = jnp.array([0.3, 0.9, 1.2])
+
+    def run(p):
+        y10, a, b = p[0], p[1], p[2]
+        _, info = odeint(linear, jnp.stack([y10, 0.0]), jnp.array([0.0, 4.0]), a, b,
+                         method="bdf", mass=LIN_M, init="consistent", rtol=1e-10,
+                         atol=1e-12, event=lambda y, t, a, b: y[1] - 0.75, dense=True,
+                         full_output=True)
+        return info.event_time, (info.event_state, info.solution.evaluate(t_in))
+
+    def crossings(a, b):
+        _, info = odeint(linear, jnp.array([1.0, 0.0]), jnp.array([0.0, 4.0]), a, b,
+                         method="bdf", mass=LIN_M, init="consistent", rtol=1e-10,
+                         atol=1e-12, event=lambda y, t, a, b: jnp.stack(
+                             [y[1] - 0.6, y[1] - 0.75, y[0] - 1.8]),
+                         event_terminal=False, full_output=True)
+        return info.num_events, info.event_time[:3], info.event_index[:3]
+
+    p = jnp.array([1.0, 0.2, 2.0])
+    ((t_e, (y_e, y_in)), grad), (count, times, index) = jax.jit(
+        lambda p: (jax.value_and_grad(run, has_aux=True)(p), crossings(p[1], p[2])))(p)
+
+    def exact(y10, a, b):  # (the event time's closed form)
+        return np.log(0.75 * b / y10) / (1 / b - a)
+
+    eps, q = 1e-6, np.asarray(p)
+    central = [(exact(*(q + eps * e)) - exact(*(q - eps * e))) / (2 * eps) for e in np.eye(3)]
+    np.testing.assert_allclose(t_e, np.log(1.5) / 0.3, rtol=1e-8)
+    np.testing.assert_allclose(y_e, [1.5, 0.75], rtol=1e-8)
+    np.testing.assert_allclose(y_in, linear_exact(1.0, 0.2, 2.0, t_in), rtol=1e-8)
+    np.testing.assert_allclose(grad, central, rtol=1e-6)
+    assert int(count) == 3
+    np.testing.assert_allclose(times, np.log([1.2, 1.5, 1.8]) / 0.3, rtol=1e-8)
+    np.testing.assert_array_equal(index, [0, 1, 2])
+
+
 # --- (b) the pendulum in index-1 form against the ODE in polar coordinates ------------
 
 

@@ -52,7 +52,7 @@ def event_grid(ts, t_e):
     return k, jnp.where(i <= k, ts, spread)
 
 
-def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
+def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope=None):
     """A differentiable ``event_solve(z0, ts, theta, const, ev_theta, ev_const, ctl)``
     returning ``(zs, Stats, EventResult)``.
 
@@ -62,7 +62,8 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
     (:func:`solvers.ode._adjoint.make_solve`), used by the backward
     pass; ``ctl`` as there. With ``record=B`` the :class:`~solvers.ode._integrate.Record`
     of the last ``B`` accepted steps follows (dense output; not differentiated: its
-    cotangent is dropped).
+    cotangent is dropped). ``slope(u, s, theta, const)``: the state's time derivative where
+    it is not ``G`` (a DAE's consistent slope), for the event time's derivative.
     """
 
     def run(z0, ts, theta, const, ev_theta, ev_const, ctl):
@@ -110,7 +111,7 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0):
         def g(u, s, theta, ev_theta):
             return E(u, s, theta, const, ev_theta, ev_const)[index]
 
-        f_e = G(ze, te, theta, const)
+        f_e = (G if slope is None else slope)(ze, te, theta, const)  # (y' at the event)
         g_e, g_vjp = jax.vjp(g, ze, te, theta, ev_theta)
         # (shard_map: the cotangent has the type of the event value)
         g_y, g_t, g_th, g_evth = g_vjp(_sharding.vary_like(jnp.ones((), dtype), g_e))

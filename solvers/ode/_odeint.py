@@ -290,8 +290,8 @@ def odeint(
         the algebraic equations' Jacobian with respect to the algebraic variables is
         singular (index 2 or more) fails by ``on_failure``, status ``singular``. Newton
         matrices ``M - cJ``; with ``jac_sparsity`` ``M`` must be diagonal. Differentiated
-        by ``adjoint="discrete"`` or ``"forward_adaptive"``; not with ``event`` or
-        ``dense`` (yet). docs/ode.md, DAEs.
+        by ``adjoint="discrete"`` or ``"forward_adaptive"``; ``event`` and ``dense`` as
+        for ODEs. docs/ode.md, DAEs.
       init: ``None`` (default): ``y0`` as given; ``"consistent"`` (with ``mass``): the
         algebraic part of ``y0`` solved for from its differential part (Newton's method
         at ``ts[0]``; ``ys[0]`` is the corrected state, differentiated by the implicit
@@ -413,7 +413,7 @@ def odeint(
                 "mass matrix): it needs mass= (and method='bdf')"
             )
     if mass is not None:
-        _check_mass_options(mass, structure, adjoint, event, record)
+        _check_mass_options(mass, structure, adjoint)
     dtype = jnp.result_type(*jax.tree.leaves(y0))
     ts = _checks.check_times(ts, "ts", dtype)
     rtol, atol = _checks.tolerances(rtol, atol, dtype)
@@ -495,7 +495,7 @@ def _ravels_like(out, y0):
             and all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves))
 
 
-def _check_mass_options(mass, structure, adjoint, event, record):
+def _check_mass_options(mass, structure, adjoint):
     """What ``mass=`` does not combine with (yet): ValueErrors naming it."""
     if structure is not None and not mass.diagonal:
         raise ValueError(
@@ -509,10 +509,6 @@ def _check_mass_options(mass, structure, adjoint, event, record):
             f"mass= (DAEs) is differentiated by adjoint='discrete' (default) or "
             f"'forward_adaptive', not adjoint={adjoint!r}"
         )
-    if event is not None:
-        raise ValueError("mass= (DAEs) does not combine with event= yet")
-    if record:
-        raise ValueError("mass= (DAEs) does not combine with dense= yet")
 
 
 def _make_stepper(method, max_step=float("inf"), structure=None, mass=None):
@@ -646,7 +642,7 @@ def _solve(y0, ts, args, tols, *, f, method, adjoint, window, max_step, event, d
     else:
         event_solve = _events.make_event_solve(
             _make_stepper(method, max_step, structure, mass), G, E, y0_flat.size, solve,
-            direction=direction, record=record,
+            direction=direction, record=record, slope=slope,
         )
         out = event_solve(y0_flat, ts, theta, const, ev_theta, ev_const, ctl)
         zs, stats, result = out[:3]
