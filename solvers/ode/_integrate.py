@@ -645,8 +645,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
     # The step loop writes the accepted steps into a chunk of K rows of its own, copied
     # into the record every K accepted steps by an outer loop: under vmap, JAX's batched
     # while loop selects its whole carry on every trip, and B rows carried by the step
-    # loop were selected on every step (64 Lotka-Volterra solves with dense=True, B =
-    # 10,000: 1.1 s against 1.2 ms without dense output).
+    # loop were selected on every step (64 Lotka-Volterra solves, 8 output times, dense=True,
+    # B = 10,000: 476 ms, now 65 ms; 1.0 ms without dense output).
     K = min(RECORD_CHUNK, B)
 
     def attempt(ctrl, z, cache, clip_to):
