@@ -307,11 +307,13 @@ def odeint(
       >>> ts = jnp.array([0.0, 1.0, 2.0])
       >>> print(jnp.round(solvers.odeint(decay, 1.0, ts, 0.5), 5))  # exp(-0.5 t)
       [1.      0.60653 0.36788]
-      >>> grad = jax.grad(lambda k: solvers.odeint(decay, 1.0, ts, k)[-1])(0.5)
+      >>> # (transformations under jax.jit: one compiled program each)
+      >>> grad = jax.jit(jax.grad(lambda k: solvers.odeint(decay, 1.0, ts, k)[-1]))(0.5)
       >>> print(round(float(grad), 5))  # d/dk exp(-2k) = -2 exp(-1)
       -0.73576
       >>> final = lambda k: solvers.odeint(decay, 1.0, ts, k, adjoint="forward")[-1]
-      >>> print(round(float(jax.jacfwd(final)(0.5)), 5), round(float(jax.hessian(final)(0.5)), 4))
+      >>> d1, d2 = jax.jit(lambda k: (jax.jacfwd(final)(k), jax.hessian(final)(k)))(0.5)
+      >>> print(round(float(d1), 5), round(float(d2), 4))
       -0.73576 1.4715
 
       An event: ``y = exp(-k t)`` falls to 0.25 at ``t = log(4) / k``.
