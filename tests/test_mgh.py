@@ -24,8 +24,10 @@ HYBR_SOLVED = 1e-6  # max|F(x*)| under which hybr counts as having solved a prob
 
 
 def _jnp(fn, **params):
-    """A problem of the robustness benchmark (written for NumPy and jnp alike) in jnp."""
-    return lambda x: fn(x, jnp, **params)
+    """A problem of the robustness benchmark (written for NumPy and jnp alike) in jnp.
+    (A partial, not a lambda: the lambdas of every problem shared one code object, and
+    the solvers warned that the same function was being compiled again.)"""
+    return functools.partial(fn, xp=jnp, **params)
 
 
 def freudenstein_roth(x):
