@@ -50,7 +50,7 @@ CLAIMS: dict[str, dict[str, str]] = {
     "odeint": {
         "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
         # The default adjoint: second order forward over reverse (hessian) with the
-        # default (explicit) method; grad of grad raises (kvaerno5, bdf: hessian too,
+        # default method (and tsit5, kvaerno5); grad of grad raises (bdf: hessian too,
         # docs/ode.md).
         "grad(grad)": 'adjoint="backsolve"',
         "jvp, jacfwd": 'adjoint="forward"', "hessian": DEFAULT,

@@ -116,11 +116,14 @@ _HIGHER = ("pass adjoint='forward' (forward sensitivities: jax.hessian, jax.jacf
            "and grad of grad) or adjoint='backsolve' (reverse mode: grad of grad)")
 #: Why: the rules whose backward pass has no derivative of its own (see _first_order_only).
 FIRST_ORDER = {
-    "interpolate": "solvers.odeint: the interpolating adjoint gives first derivatives only",
+    "interpolate": "solvers.odeint: the interpolating adjoint gives first derivatives only; "
+                   f"for higher derivatives {_HIGHER}",
     "implicit": "solvers.odeint: the discrete adjoint (the default) gives second derivatives "
-                "(jax.hessian, jax.jacfwd of jax.grad) with the explicit methods (dopri5, "
-                "tsit5) only: with kvaerno5 and bdf its stage equations are differentiated "
-                "once (the implicit function theorem at a Jacobian held fixed)",
+                "(jax.hessian, jax.jacfwd of jax.grad) with dopri5, tsit5 and kvaerno5, not "
+                "with bdf: its corrector equation is differentiated once (the implicit "
+                "function theorem at a Jacobian held fixed); for higher derivatives with bdf "
+                "pass adjoint='forward_adaptive' (forward mode through the integration: "
+                "jax.hessian, jax.jacfwd, jax.jvp), or use kvaerno5",
 }
 
 
@@ -133,7 +136,7 @@ def _first_order_only(why, out, *dependencies):
 def _first_order_only_jvp(why, primals, tangents):
     # Reached by any derivative of a backward pass: reverse (grad of grad) linearises
     # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
-    raise NotImplementedError(f"{FIRST_ORDER[why]}; for higher derivatives {_HIGHER}")
+    raise NotImplementedError(FIRST_ORDER[why])
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
@@ -815,9 +818,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     z0_bar, ts_bar, theta_bar = _finish(
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
-    # An explicit method's pass is differentiated forwards (jax.hessian; grad of grad meets
-    # JAX's error for reverse mode through its loops); an implicit one's is not.
-    if not explicit:
+    # The pass is differentiated forwards (jax.hessian; grad of grad meets JAX's error for
+    # reverse mode through its loops) where the steps' derivatives are exact to second
+    # order: explicit methods, kvaerno5 (two chord corrections of its stages); not bdf.
+    if not explicit and stepper.diff_order < 2:
         z0_bar, ts_bar, theta_bar = _first_order_only(
             "implicit", (z0_bar, ts_bar, theta_bar), *res[:3], gz)
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
