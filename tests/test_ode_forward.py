@@ -182,7 +182,7 @@ def _rotation(y, t, a, b):  # y' = [[-a, b], [-b, -a]] y: y(t) = e^{-at} R(bt) y
 
 @pytest.mark.transforms("odeint", "hessian")
 @pytest.mark.parametrize("method", ["dopri5", pytest.param("tsit5", marks=pytest.mark.slow),
-                                    "kvaerno5"])
+                                    "kvaerno5", "bdf"])
 def test_hessian_through_the_default_adjoint(x64, method):
     # Forward over reverse through the discrete adjoint (its tangent-linear: a second-order
     # adjoint), the steps held fixed: the Hessian of the computed map, so symmetric, and
@@ -206,8 +206,8 @@ def test_hessian_through_the_default_adjoint(x64, method):
     H = jax.jit(jax.hessian(loss))(p)
     assert rel(H, exact) < 1e-8
     np.testing.assert_allclose(H, H.T, rtol=1e-12, atol=1e-14)
-    if method == "kvaerno5":  # (its stages: two chord corrections in the backward steps;
-        return  # the replayed segments' tangents are the same code for every method)
+    if method in ("kvaerno5", "bdf"):  # (stages, corrector: two chord corrections in the
+        return  # backward steps; the replayed segments' tangents: the same code for all)
     H_window = jax.jit(jax.hessian(lambda p: loss(p, adjoint_window=4)))(p)
     np.testing.assert_allclose(H_window, H, rtol=1e-12, atol=1e-14)
 
@@ -288,10 +288,8 @@ def test_forward_mode_of_a_reverse_adjoint_names_the_option():
     # (Refused while tracing: under jit nothing is compiled first.)
     with pytest.raises(TypeError, match="adjoint='forward'"):
         jax.jit(jax.jacfwd(final))(1.0)
-    # Second order through the default adjoint: forward over reverse with an explicit
-    # method (above); with an implicit one, and in reverse over reverse, refused.
-    with pytest.raises(NotImplementedError, match="adjoint='forward_adaptive'"):
-        jax.jit(jax.hessian(lambda y0: final(y0, "bdf")))(1.0)
+    # Second order through the default adjoint: forward over reverse (above); reverse over
+    # reverse refused.
     with pytest.raises(ValueError, match="Reverse-mode differentiation"):
         jax.jit(jax.grad(jax.grad(
             lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k)[-1])))(0.5)

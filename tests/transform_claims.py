@@ -49,9 +49,8 @@ CLAIMS: dict[str, dict[str, str]] = {
     "least_squares": dict(_IMPLICIT),
     "odeint": {
         "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        # The default adjoint: second order forward over reverse (hessian) with the
-        # default method (and tsit5, kvaerno5); grad of grad raises (bdf: hessian too,
-        # docs/ode.md).
+        # The default adjoint: second order forward over reverse (hessian), every method;
+        # grad of grad raises (docs/ode.md).
         "grad(grad)": 'adjoint="backsolve"',
         "jvp, jacfwd": 'adjoint="forward"', "hessian": DEFAULT,
     },

@@ -118,12 +118,6 @@ _HIGHER = ("pass adjoint='forward' (forward sensitivities: jax.hessian, jax.jacf
 FIRST_ORDER = {
     "interpolate": "solvers.odeint: the interpolating adjoint gives first derivatives only; "
                    f"for higher derivatives {_HIGHER}",
-    "implicit": "solvers.odeint: the discrete adjoint (the default) gives second derivatives "
-                "(jax.hessian, jax.jacfwd of jax.grad) with dopri5, tsit5 and kvaerno5, not "
-                "with bdf: its corrector equation is differentiated once (the implicit "
-                "function theorem at a Jacobian held fixed); for higher derivatives with bdf "
-                "pass adjoint='forward_adaptive' (forward mode through the integration: "
-                "jax.hessian, jax.jacfwd, jax.jvp), or use kvaerno5",
 }
 
 
@@ -819,9 +813,6 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
     # The pass is differentiated forwards (jax.hessian; grad of grad meets JAX's error for
-    # reverse mode through its loops) where the steps' derivatives are exact to second
-    # order: explicit methods, kvaerno5 (two chord corrections of its stages); not bdf.
-    if not explicit and stepper.diff_order < 2:
-        z0_bar, ts_bar, theta_bar = _first_order_only(
-            "implicit", (z0_bar, ts_bar, theta_bar), *res[:3], gz)
+    # reverse mode through its loops): the steps' derivatives are exact to second order
+    # (explicit steps; kvaerno5's stages and bdf's corrector by two chord corrections).
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None

@@ -112,11 +112,6 @@ class Stepper(NamedTuple):
     # The cache carries the past steps (bdf's differences): a replayed block must then
     # take the forward's steps, or the cache it ends with is not the checkpoint's.
     history: bool = False
-    # The order up to which ``diff_step``'s derivatives are exact (an implicit method's
-    # stage equations: one chord correction per order); the discrete adjoint is
-    # differentiated forwards (jax.hessian) where it is 2 or more. (No ``diff_step``: the
-    # step itself, exact at any order.)
-    diff_order: int = 1
     # ``slope(u, s) -> u'``: the derivative of the controlled components, for the first
     # step's heuristic, where it is not ``rhs`` (a DAE's consistent slope, ``M y' = f``).
     # None: ``rhs``.

@@ -143,8 +143,8 @@ def odeint(
     depend on ``adjoint_window`` (memory: 128 checkpoints, whatever ``max_steps``, plus
     ``adjoint_window`` steps; past 128 x ``adjoint_window`` accepted steps the
     checkpoints thin out and blocks are replayed from further back). ``jax.hessian``
-    (forward over reverse: the steps held fixed) with ``dopri5``, ``tsit5`` and
-    ``kvaerno5`` (not ``bdf``); not ``grad(grad)`` (``adjoint="backsolve"``). On linear test
+    (forward over reverse: the steps held fixed) with every method; not ``grad(grad)``
+    (``adjoint="backsolve"``). On linear test
     problems with eigenvalues from -1 to -1e5 its relative error is within 100x ``rtol``
     (docs/ode.md: the error contract). ``adjoint="backsolve"`` is the continuous adjoint
     with the state integrated backwards (``adjoint_rtol``/``adjoint_atol``, by default
@@ -529,8 +529,8 @@ def _make_stepper(method, max_step=float("inf"), structure=None, mass=None):
         from solvers.ode._stiff import implicit_stepper as make
 
         # Second-order exact stage derivatives by default (two chord corrections in the
-        # discrete adjoint's backward steps), so that jax.hessian through it is exact: the
-        # forward sensitivities ask for their own order.
+        # discrete adjoint's backward steps, as bdf's corrector), so that jax.hessian
+        # through it is exact: the forward sensitivities ask for their own order.
         extra.setdefault("derivative_order", 2)
     else:
         make = explicit_stepper

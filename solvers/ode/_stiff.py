@@ -199,5 +199,4 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, struct
     # rtol 1e-6: 4.4e-6 at t = 1e-4, against 2e-9 landing there; total 4.5e-6 against
     # 7.7e-8), so the steps end on every output time instead (issue 10).
     return Stepper(init, step, tab.dense, beta1=0.7 / k, beta2=0.4 / k, order=k,
-                   diff_step=diff_step, lands=True, restep=restep,
-                   diff_order=derivative_order)
+                   diff_step=diff_step, lands=True, restep=restep)
