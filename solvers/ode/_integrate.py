@@ -664,7 +664,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
             go = going(ctrl) if event is None else going(ctrl) & ~c.ev.fired
             return go if stop_at is None else go & (ctrl.num_accepted < stop_at)
 
-        def body(c):
+        def body(c, first=None):
+            # (first: with a record, the window's first accepted step's number)
             ctrl, z, cache, last_step, rec, ck, ev = c
             ctrl = Controller.unpack(ctrl)
             # Under vmap the body also runs for the elements already done: not a step.
@@ -714,7 +715,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 last_step = LastStep(s, h, z_old, ks)
             if record:  # (rec: the window's chunk; row 0 its first accepted step)
                 new = Record(s, h, z_old, h * _small.matmul(dense, ks), None)
-                rec = write_row(rec, ctrl.num_accepted - 1 - ck, accept, new)
+                rec = write_row(rec, ctrl.num_accepted - 1 - first, accept, new)
             return Carry(ctrl.pack(), z, cache, last_step, rec, ck, ev)
 
         if not checkpoint and not record:
@@ -725,7 +726,7 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
         # and the chunk's rows copied into the record. The step loop carries neither the
         # checkpoints (updated in it, even once in W steps under a cond, they cost about
         # 1 us per step on CPU: bdf on Robertson, 0.57 ms of a 0.56 ms solve) nor the
-        # record; its `ck` field holds the window's first accepted step's number instead.
+        # record (its rows go to a chunk of K, row 0 the window's first accepted step).
         def window(c):
             start = Controller.accepted(c.ctrl)
             stop_at = start + K if record else None
@@ -733,8 +734,8 @@ def _run(stepper, rhs_u, z0, ts, rtol, atol, h0, budget, n_ctrl, *, mode, record
                 at_ck = (div(start, c.ck[1]) + 1) * c.ck[1]
                 stop_at = at_ck if stop_at is None else jnp.minimum(stop_at, at_ck)
             inner = _sharding.while_loop(
-                functools.partial(cond, stop_at=stop_at), body,
-                c._replace(ck=start if record else None, rec=record_rows(K) if record else None),
+                functools.partial(cond, stop_at=stop_at), functools.partial(body, first=start),
+                c._replace(ck=None, rec=record_rows(K) if record else None),
             )
             accepted = Controller.accepted(inner.ctrl)
             ck, rec = c.ck, c.rec

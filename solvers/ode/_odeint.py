@@ -527,16 +527,11 @@ def _make_stepper(method, max_step=float("inf"), structure=None, mass=None):
     tab = _tableaus.TABLEAUS[method]
     if tab.implicit:
         from solvers.ode._stiff import implicit_stepper as make
-
-        # Second-order exact stage derivatives by default (two chord corrections in the
-        # discrete adjoint's backward steps, as bdf's corrector), so that jax.hessian
-        # through it is exact: the forward sensitivities ask for their own order.
-        extra.setdefault("derivative_order", 2)
     else:
         make = explicit_stepper
 
     def stepper(*args, **kwargs):
-        return make(tab, *args, **{**extra, **kwargs})._replace(max_step=max_step)
+        return make(tab, *args, **kwargs, **extra)._replace(max_step=max_step)
 
     return stepper
 

@@ -29,14 +29,15 @@ NEWTON_KAPPA = 0.01  # stage solves stop at NEWTON_KAPPA × the step's error tol
 NEWTON_MAX_STEPS = 8
 
 
-def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=1, structure=None):
+def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=2, structure=None):
     """The :class:`~solvers.ode._integrate.Stepper` of an ESDIRK pair with explicit first stage.
 
     ``rhs(u, s)`` returns the derivative of the whole state; the components past
     ``n_ctrl`` are quadratures (``rhs`` does not read them), evaluated at the stage values.
     ``derivative_order``: the order up to which ``diff_step``'s derivatives are exact (one
-    chord correction of the stage values per order; the forward sensitivities ask for 2,
-    so that ``jax.hessian`` is exact too).
+    chord correction of the stage values per order). 2 by default: ``jax.hessian`` through
+    the discrete adjoint is exact (as bdf's corrector, also corrected twice); the forward
+    sensitivities ask for the order they need.
     The stage equations are solved by simplified Newton iterations with the factors of
     ``M = I - hγJ`` (one Jacobian and one factorisation per step; the stopping test of
     :func:`solvers.root.newton`: the step, scaled by ``ρ / (1 - ρ)`` once a contraction rate
