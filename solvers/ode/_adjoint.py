@@ -19,8 +19,6 @@ holds only the outputs, whatever the number of steps.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -114,23 +112,21 @@ def _unflat(flat, like):
 #: What to do for a second derivative the rule does not give.
 _HIGHER = ("pass adjoint='forward' (forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp "
            "and grad of grad) or adjoint='backsolve' (reverse mode: grad of grad)")
-#: Why: the rules whose backward pass has no derivative of its own (see _first_order_only).
-FIRST_ORDER = {
-    "interpolate": "solvers.odeint: the interpolating adjoint gives first derivatives only; "
-                   f"for higher derivatives {_HIGHER}",
-}
+#: The interpolating adjoint's backward pass has no derivative of its own.
+FIRST_ORDER = ("solvers.odeint: the interpolating adjoint gives first derivatives only; "
+               f"for higher derivatives {_HIGHER}")
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _first_order_only(why, out, *dependencies):
+@jax.custom_jvp
+def _first_order_only(out, *dependencies):
     return out
 
 
 @_first_order_only.defjvp
-def _first_order_only_jvp(why, primals, tangents):
-    # Reached by any derivative of a backward pass: reverse (grad of grad) linearises
+def _first_order_only_jvp(primals, tangents):
+    # Reached by any derivative of the backward pass: reverse (grad of grad) linearises
     # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
-    raise NotImplementedError(FIRST_ORDER[why])
+    raise NotImplementedError(FIRST_ORDER)
 
 
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
@@ -443,7 +439,7 @@ def _interpolating_bwd(make_stepper, G, res, gz, window, *, on_failure, report):
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
     z0_bar, ts_bar, theta_bar = _first_order_only(
-        "interpolate", (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
+        (z0_bar, ts_bar, theta_bar), res[0], res[1], res[2], gz_in
     )
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None
 
