@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 SUITES = ["fixed_point", "root", "robustness", "bracket", "ode", "neural_ode", "minimize",
-          "price", "hessian", "work_precision", "docs_snippets"]
+          "price", "hessian", "stiff", "work_precision", "docs_snippets"]
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ["jax", "jaxlib", "jaxopt", "optimistix", "lineax", "diffrax", "optax", "scipy"]
 

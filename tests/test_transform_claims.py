@@ -68,9 +68,12 @@ def marked_tests():
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef):
                 continue
+            marks = _marks(node, "transforms")
+            if not marks:  # (get_source_segment splits the module each call: marked only)
+                continue
             source = ast.get_source_segment(module, node)
             decorators = "\n".join(ast.get_source_segment(module, d) for d in node.decorator_list)
-            for mark in _marks(node, "transforms"):
+            for mark in marks:
                 row, *transforms = [ast.literal_eval(arg) for arg in mark.args]
                 option = next((ast.literal_eval(k.value) for k in mark.keywords
                                if k.arg == "option"), DEFAULT)
