@@ -372,8 +372,15 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         # within 10x that rounding (and at most 0.1 of the tolerance) is converged. |J| |y|
         # is taken where J was (cache.Jy: one product per Jacobian, not per step; at most a
         # few steps old, since a Newton failure brings a new J and with it a new floor).
+        # With a singular mass matrix (DAEs) the correction of an algebraic variable is its
+        # residual divided by about cJ, not the residual itself: the floor is the noise
+        # after the solve (TRANSAMP at rtol 1e-10: exp((y4 - y5) / 0.026) rounded to 6e-17,
+        # over y7's 1/9000 gives 5e-13, 1e-3 of the tolerance's scale, at any step size:
+        # Newton "diverged" on it down to a step underflow at t = 0.142).
         if structure is None:
             noise = rms(c * eps * Jy, scale)
+            if mass is not None:
+                noise = jnp.maximum(noise, rms(solve(lu, c * eps * Jy), scale))
             floor = jnp.minimum(0.1, 10 * noise)
         else:
             floor = jnp.zeros((), dtype)
