@@ -30,6 +30,9 @@ rtol 1e-12, ours at 1e-6 and 1e-9) ends within an order of magnitude of the refe
 its digits would compare nothing. VDPOL's reference y2 is -0.8928097010248125 (the slow
 manifold's y1 / (1 - y1²); SciPy's Radau at rtol 1e-12 agrees to 12 digits).
 
+Last, issue 37 item 4's table: bdf on ROBER to 1e11 with atol = 1e-6 rtol, its steps and
+digits against SciPy's BDF, rate constants traced and constant.
+
 Run: ``python -m benchmarks stiff`` (also part of ``make bench``).
 """
 
@@ -384,6 +387,46 @@ def plot(all_results, path):
     plt.close(fig)
 
 
+def robertson_steps_table():
+    """Issue 37 item 4: bdf on ROBER to t = 1e11 with atol = 1e-6 rtol against SciPy's BDF
+    (the algorithm it follows), rtol 1e-4 … 1e-11: attempted steps (ours: accepted and
+    rejected; SciPy: accepted) and mixed correct digits, with the rate constants traced
+    (arguments of the compiled program) and folded in as constants (the round-off differs)."""
+    import solvers
+    from scipy.integrate import solve_ivp
+
+    f, y0, t1, ref, _, _ = PROBLEMS["ROBER"]
+    ref = np.asarray(ref)
+
+    def traced_f(y, t, k1, k2, k3):
+        return jnp.stack([-k1 * y[0] + k3 * y[1] * y[2],
+                          k1 * y[0] - k3 * y[1] * y[2] - k2 * y[1] ** 2, k2 * y[1] ** 2])
+
+    y0, ts = jnp.asarray(y0, jnp.float64), jnp.array([0.0, t1])
+    k = jnp.array([0.04, 3e7, 1e4])
+    opts = dict(method="bdf", max_steps=200_000, full_output=True)
+    traced = jax.jit(lambda k, rtol: solvers.odeint(traced_f, y0, ts, *k, rtol=rtol,
+                                                    atol=1e-6 * rtol, **opts))
+    const = jax.jit(lambda rtol: solvers.odeint(f, y0, ts, rtol=rtol, atol=1e-6 * rtol, **opts))
+    jac = jax.jit(jax.jacfwd(lambda y: f(y, 0.0)))
+    print("\n## ROBER to t = 1e11, atol = 1e-6 rtol: bdf against SciPy's BDF (issue 37 item 4)\n")
+    print("| rtol | SciPy BDF steps | digits | ours, k traced: steps | digits | ours, k constant: "
+          "steps | digits | steps ours / SciPy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in range(4, 12):
+        rtol = 10.0 ** -e
+        sp = solve_ivp(lambda t, y: f(y, t, np), (0.0, t1), np.asarray(y0), method="BDF",
+                       rtol=rtol, atol=1e-6 * rtol,
+                       jac=lambda t, y: np.asarray(jac(jnp.asarray(y))))
+        a, ia = traced(k, rtol)
+        b, ib = const(rtol)
+        n_sp = len(sp.t) - 1
+        dig = [mixed_digits(v, ref, 1e-6) for v in (sp.y[:, -1], a[-1], b[-1])]
+        print(f"| 1e-{e} | {n_sp} | {dig[0]:.1f} | {int(ia.num_steps)} | {dig[1]:.1f} | "
+              f"{int(ib.num_steps)} | {dig[2]:.1f} | "
+              f"{max(int(ia.num_steps), int(ib.num_steps)) / n_sp:.2f} |", flush=True)
+
+
 def main(names=None):
     from benchmarks import ode
 
@@ -408,6 +451,7 @@ def main(names=None):
     ):
         print(f"- {note}")
     if names is None:
+        robertson_steps_table()
         plot(all_results, ASSET)
         print(f"work-precision plot: {ASSET}")
     print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
