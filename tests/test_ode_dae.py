@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import solvers
+from benchmarks.stiff import PROBLEMS, chemakzo, transamp, transamp_mass
 from solvers.ode import odeint
 
 # --- problems --------------------------------------------------------------------------
@@ -184,27 +185,15 @@ def test_pendulum_index1_gradient_against_polar(x64):
 
 # --- CHEMAKZO: the Akzo Nobel problem against its published reference -----------------
 
-AKZO_REF = np.array([0.1150794920661702, 0.1203831471567715e-2, 0.1611562887407974,
-                     0.3656156421249283e-3, 0.1708010885264404e-1, 0.4873531310307455e-2])
-
-
-def akzo(y, t):
-    k1, k2, k3, k4, K, klA, Ks, p, H = 18.7, 0.58, 0.09, 0.42, 34.4, 3.3, 115.83, 0.9, 737.0
-    r1 = k1 * y[0] ** 4 * jnp.sqrt(y[1])
-    r2 = k2 * y[2] * y[3]
-    r3 = k2 / K * y[0] * y[4]
-    r4 = k3 * y[0] * y[3] ** 2
-    r5 = k4 * y[5] ** 2 * jnp.sqrt(y[1])
-    fin = klA * (p / H - y[1])
-    return jnp.stack([-2 * r1 + r2 - r3 - r4, -0.5 * r1 - r4 - 0.5 * r5 + fin,
-                      r1 - r2 + r3, -r2 + r3 - 2 * r4, r2 - r3 + r5, Ks * y[0] * y[3] - y[5]])
+#: The problem and its reference: the stiff benchmark's (benchmarks/stiff.py), one definition.
+AKZO_REF = np.asarray(PROBLEMS["CHEMAKZO"][3])
 
 
 def test_chemakzo_reference(x64):
     y0 = jnp.array([0.444, 0.00123, 0.0, 0.007, 0.0, 115.83 * 0.444 * 0.007])
     M = np.diag([1.0] * 5 + [0.0])
     for rtol, digits in [(1e-6, 6.0), (1e-9, 8.2)]:  # (measured 6.2, 8.4)
-        ys = odeint(akzo, y0, jnp.array([0.0, 180.0]), method="bdf", mass=M, rtol=rtol,
+        ys = odeint(chemakzo, y0, jnp.array([0.0, 180.0]), method="bdf", mass=M, rtol=rtol,
                     atol=rtol)
         mixed = -np.log10(np.max(np.abs(ys[-1] - AKZO_REF) / (1 + np.abs(AKZO_REF))))
         assert mixed >= digits, (rtol, mixed)
@@ -213,29 +202,8 @@ def test_chemakzo_reference(x64):
 #: TRANSAMP, the transistor amplifier of the same test set (index 1, 8 equations): its
 #: mass matrix is not diagonal (three 2x2 capacitor blocks of rank 1, and two capacitors
 #: to ground: rank 5). Reference at t = 0.2 (PSIDE, rtol = atol = 1e-14), from the test
-#: set's transamp.f, which defines M y' = f as below.
-TRANSAMP_REF = np.array([-0.5562145012262709e-2, 0.3006522471903042e1, 0.2849958788608128e1,
-                         0.2926422536206241e1, 0.2704617865010554e1, 0.2761837778393145e1,
-                         0.4770927631616772e1, 0.1236995868091548e1])
-
-
-def transamp(y, t):
-    ub, uf, alpha, beta, r0, r = 6.0, 0.026, 0.99, 1e-6, 1000.0, 9000.0
-    ue = 0.1 * jnp.sin(200 * jnp.pi * t)
-    fac1 = beta * (jnp.exp((y[1] - y[2]) / uf) - 1)
-    fac2 = beta * (jnp.exp((y[4] - y[5]) / uf) - 1)
-    return jnp.stack([(y[0] - ue) / r0, y[1] / r + (y[1] - ub) / r + (1 - alpha) * fac1,
-                      y[2] / r - fac1, (y[3] - ub) / r + alpha * fac1,
-                      y[4] / r + (y[4] - ub) / r + (1 - alpha) * fac2, y[5] / r - fac2,
-                      (y[6] - ub) / r + alpha * fac2, y[7] / r])
-
-
-def transamp_mass():
-    c1, c2, c3, c4, c5 = 1e-6, 2e-6, 3e-6, 4e-6, 5e-6
-    M = np.diag([-c1, -c1, -c2, -c3, -c3, -c4, -c5, -c5])
-    for i, c in ((0, c1), (3, c3), (6, c5)):
-        M[i, i + 1] = M[i + 1, i] = c
-    return M
+#: set's transamp.f, which defines M y' = f as benchmarks/stiff.py does.
+TRANSAMP_REF = np.asarray(PROBLEMS["TRANSAMP"][3])
 
 
 def test_transamp_reference(x64):
