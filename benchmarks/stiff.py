@@ -395,17 +395,15 @@ def robertson_steps_table():
     import solvers
     from scipy.integrate import solve_ivp
 
+    from benchmarks.ode import robertson  # (the same equations, k passed as arguments)
+
     f, y0, t1, ref, _, _ = PROBLEMS["ROBER"]
     ref = np.asarray(ref)
-
-    def traced_f(y, t, k1, k2, k3):
-        return jnp.stack([-k1 * y[0] + k3 * y[1] * y[2],
-                          k1 * y[0] - k3 * y[1] * y[2] - k2 * y[1] ** 2, k2 * y[1] ** 2])
 
     y0, ts = jnp.asarray(y0, jnp.float64), jnp.array([0.0, t1])
     k = jnp.array([0.04, 3e7, 1e4])
     opts = dict(method="bdf", max_steps=200_000, full_output=True)
-    traced = jax.jit(lambda k, rtol: solvers.odeint(traced_f, y0, ts, *k, rtol=rtol,
+    traced = jax.jit(lambda k, rtol: solvers.odeint(robertson, y0, ts, *k, rtol=rtol,
                                                     atol=1e-6 * rtol, **opts))
     const = jax.jit(lambda rtol: solvers.odeint(f, y0, ts, rtol=rtol, atol=1e-6 * rtol, **opts))
     jac = jax.jit(jax.jacfwd(f))

@@ -415,8 +415,8 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
     def diff_step(s, z, cache, h, ks_star, eps=None):
         # The corrector at the solution d* the forward found (from ks_star's last row):
         # F(d) = d - c f(y_pred + d) + ψ = 0, so dd = -(I - cJ(y*))⁻¹ dF (the implicit
-        # function theorem, exact Jacobian at y*). Written as d = d* - (x - sg(x)),
-        # x = (I - cJ)⁻¹ F(d*): the value stays d*. Step size and order are held fixed.
+        # function theorem, exact Jacobian at y*). Written as d = d* + (x - sg(x)),
+        # x = -(I - cJ)⁻¹ F(d*): the value stays d*. Step size and order are held fixed.
         if z.shape[0] != n:
             raise NotImplementedError("diff_step: quadrature components")
         sg = jax.lax.stop_gradient
@@ -428,12 +428,6 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         d_star = sg(ks_star[-1] * h)
         y_star = sg(y_pred + d_star)
         J = sg(jac(y_star, t_new))
-
-        def residual(d):
-            if mass is None:
-                return d - c * rhs(y_pred + d, t_new) + psi
-            return mass.times(d + psi) - c * rhs(y_pred + d, t_new)
-
         if structure is not None:
             factors = block_factors(c, J)
             inv = functools.partial(structure.solve, factors)
@@ -441,11 +435,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
             inv = functools.partial(_lu.solve, _lu.factor(eye(dtype) - c * J))
         # Two chord corrections at the Jacobian of the computed corrector, held fixed: each
         # makes one more order of derivatives exact (the second: jax.hessian through the
-        # discrete adjoint, as kvaerno5's stages).
+        # discrete adjoint, as kvaerno5's stages). (corrector(...) is -F.)
         d = d_star
         for _ in range(2):
-            x = inv(residual(d))
-            d = d - (x - sg(x))
+            x = inv(corrector(rhs(y_pred + d, t_new), c, psi, d))
+            d = d + (x - sg(x))
         if eps is not None:  # a perturbation where the local error is made: the
             d = d + eps  # corrector, so that the history (D) sees it too
         y_new = y_pred + d
