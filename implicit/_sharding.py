@@ -329,8 +329,14 @@ def map_like(f, xs, like):
     ``vmap`` of a loop whose carries hold such an array, with a batched predicate,
     selects between batched carries with an unsharded mask (JAX 0.10: "select `which`
     must be scalar or have the same sharding as cases"); a sequential map batches
-    nothing.
+    nothing. A batch of one is ``f`` of its element, unbatched: a ``vmap``ped loop
+    selects between batched carries at every trip, which costs tracing and compile time
+    for nothing there (the ODE page's dense-output ``jax.jacrev`` example: 360 -> 330
+    computations, 7.2 -> 5.7 s).
     """
+    if jnp.shape(jax.tree.leaves(xs)[0])[0] == 1:  # a batch of one
+        x = jax.tree.map(lambda v: v[0], xs)
+        return jax.tree.map(lambda v: v[None], f(*x) if isinstance(xs, tuple) else f(x))
     if sharded_explicit(like):
         return jax.lax.map(lambda x: f(*x) if isinstance(x, tuple) else f(x), xs)
     return jax.vmap(f)(*xs) if isinstance(xs, tuple) else jax.vmap(f)(xs)

@@ -346,7 +346,7 @@ def _block_lu(lo, d, up):
     def body(sinv_prev, inp):
         lo_i, d_i, up_p = inp
         X = _sharding.matmul(lo_i, sinv_prev)
-        sinv = jnp.linalg.inv(d_i - _sharding.matmul(X, up_p))
+        sinv = _lu.inverses(d_i - _sharding.matmul(X, up_p))
         return sinv, (X, sinv)
 
     _, (X, sinv) = jax.lax.scan(body, jnp.zeros_like(d[0]), (lo, d, up_prev))
@@ -389,7 +389,7 @@ def _reduce(lo, d, up):
             zero = jnp.zeros_like(d[:1])
             lo, up = jnp.concatenate([lo, zero]), jnp.concatenate([up, zero])
             d = jnp.concatenate([d, jnp.eye(d.shape[-1], dtype=d.dtype)[None]])
-        d_inv = jnp.linalg.inv(d[1::2])  # partial pivoting inside each block (LAPACK)
+        d_inv = _lu.inverses(d[1::2])  # partial pivoting inside each block
         w = _sharding.matmul(d_inv, jnp.concatenate([lo[1::2], up[1::2]], -1))
         left, right = _sharding.matmul(lo[0::2], _shift(w)), _sharding.matmul(up[0::2], w)
         levels.append((d_inv, w, jnp.concatenate([lo[0::2], up[0::2]], -1)))
@@ -400,7 +400,7 @@ def _reduce(lo, d, up):
     tail = sum(jnp.einsum("ij,iab->iajb", jnp.eye(m, k=k, dtype=d.dtype), blocks,
                           precision=_sharding.EXACT)
                for k, blocks in ((-1, lo), (0, d), (1, up)))
-    return tuple(levels), jnp.linalg.inv(tail.reshape(m * B, m * B))
+    return tuple(levels), _lu.inverses(tail.reshape(m * B, m * B))
 
 
 def _reduced_solve(reduction, b):
