@@ -59,13 +59,18 @@ _ARMIJO = 1e-4  # sufficient decrease: |F(x + t d)| <= (1 - _ARMIJO t) |F(x)|
 _MAX_BACKTRACKS = 20
 #: Non-monotone line search: a full step is accepted when it lowers |F| below its largest
 #: value over this many accepted iterates (Grippo, Lampariello & Lucidi), so that Newton's
-#: full steps may cross a ridge of |F| (measured: see DEVELOPMENT.md).
-_WINDOW = 10
+#: full steps may cross a ridge of |F|. Measured with the robustness benchmark's problems
+#: (MGH from 1x, 3x, 10x, 30x and 100x their starts, 110 cases; random tanh systems, seeds
+#: 0-3, 400): solved with 3 / 4 / 5 / 6 / 7 / 8 / 10 iterates: MGH 84 / 87 / 86 / 87 / 84
+#: / 85 / 85, tanh 393 / 395 / 394 / 394 / 397 / 390 / 389. A longer window lets Newton
+#: wander among far, huge values of |F| (Chebyquad from 100x: |F| ~ 1e11 for 500 steps).
+_WINDOW = 5
 #: Newton's backtracking factor (chord and Broyden: the quadratic model's minimiser within
 #: [0.1, 0.5] of the previous trial). Long backtracked steps keep the non-monotone
 #: iteration exploring rather than settling into a local minimum of |F|: on 100 random
 #: tanh(A x + b) = x (n = 30, A ~ N(0, 9/n)), seeds 0-3, the quadratic model in
-#: [0.1, 0.5] solved 72, in [0.5, 0.5] 96/93/96/99, 0.6 98/97/98/96 (see the changelog).
+#: [0.1, 0.5] solved 72, in [0.5, 0.5] 96/93/96/99, 0.6 98/97/98/96 (with a _WINDOW of 10;
+#: of 5: 100/97/98/99).
 _BACKTRACK = 0.6
 _ETA_MAX = 0.1  # largest GMRES forcing term (relative residual of the Newton system)
 _GMRES_MAX_STEPS = 200  # matrix-vector products per Newton–Krylov direction
@@ -131,14 +136,14 @@ def root(
       line_search: backtrack along the direction until ``|F|`` decreases (``False``: full
         steps, cheapest when ``x0`` is known to be close, e.g. inside an implicit ODE step).
         Newton's search is non-monotone: its full step is accepted when ``|F|`` falls
-        below its largest value over the last 10 iterates (backtracked ones, by a factor
+        below its largest value over the last 5 iterates (backtracked ones, by a factor
         0.6, must lower ``|F|`` itself); where it finds no decrease, that full step is
         taken anyway. Where a fresh Jacobian then fails (singular, or no finite trial),
         a watchdog goes back to the previous iterate and bounds the steps by a trust
         radius (half the way back, then MINPACK's rules: halved after a step that
         achieves under a tenth of the linear model's decrease of ``|F|²``, at least
         twice a step that achieves half of it). The solve is ``stagnated`` when no step
-        over the stagnation window reaches a ``|F|`` below the last 10 iterates' (a
+        over the stagnation window reaches a ``|F|`` below the last 5 iterates' (a
         cycle, a rounding floor), not while it keeps finding such points. Chord's and
         Broyden's are monotone and unbounded.
       history_size: Broyden's memory (rank-one updates before the Jacobian is recomputed).
