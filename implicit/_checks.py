@@ -380,6 +380,24 @@ def box_bounds(lower, upper, x0):
     return lo, up
 
 
+def scales(scale, x0, name):
+    """Positive per-unknown sizes (``x_scale``) as a pytree like ``x0`` (a scalar
+    broadcasts; leaves scalars or shaped like ``x0``'s). Concrete ones must be positive
+    and finite: a ``ValueError`` naming the argument and the entry otherwise."""
+    out = _bound(scale, x0, name, None)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not _is_concrete(leaf):
+            continue
+        values = np.asarray(leaf, np.float64)
+        bad = ~((values > 0) & np.isfinite(values))
+        if bad.any():
+            i = tuple(int(k) for k in np.argwhere(bad)[0]) if bad.ndim else ()
+            where = f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
+            raise ValueError(f"`{name}` must be positive and finite: {name}{where} = "
+                             f"{float(values[i])!r}")
+    return out
+
+
 def _bound(bound, x0, name, default):
     """A box bound as a pytree like ``x0`` (a scalar broadcasts, to the whole of ``x0`` or
     to one leaf; ``None``: unbounded). Any other shape is refused, not broadcast."""

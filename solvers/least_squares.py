@@ -66,6 +66,7 @@ def least_squares(
     has_aux=False,
     rtol=None,
     atol=None,
+    x_scale=None,
     max_steps=200,
     damping=None,
     rule="vjp",
@@ -108,6 +109,10 @@ def least_squares(
       rtol, atol: tolerances of the test above (defaults follow the dtype: 1e-5/1e-6
         in float32, 1e-8/1e-10 in float64, 4 eps/0.4 eps in
         float16 and bfloat16).
+      x_scale: the unknowns' typical sizes (as SciPy's ``x_scale``; positive; a scalar, or
+        a pytree like ``x0`` whose leaves are scalars or shaped like ``x0``'s): the step
+        test is then ``|h_i| <= atol * x_scale_i + rtol |x_i|``, so an unknown of 1e-9
+        that tends to 0 is settled to its own size, not to ``atol``.
       max_steps: iteration cap (LM: rejected steps count).
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``: as
@@ -159,6 +164,7 @@ def least_squares(
         _solve,
         x0,
         args,
+        None if x_scale is None else _checks.scales(x_scale, x0, "x_scale"),
         *_checks.tolerances(rtol, atol, dtype),
         _checks.as_scalar(DAMPING if damping is None else damping, dtype),
         options=opts,
@@ -209,8 +215,8 @@ def _has_forward_mode(fn, x):
 
 
 @_runner.jit_solver
-def _solve(x0, args, rtol, atol, damping, *, residual, method, has_aux, options, solver,
-           check):
+def _solve(x0, args, x_scale, rtol, atol, damping, *, residual, method, has_aux, options,
+           solver, check):
     residual_aux = residual
     residual, out = _runner.main_output(residual, "residual", x0, args, has_aux)
     _check_residual_output(out)
@@ -232,9 +238,11 @@ def _solve(x0, args, rtol, atol, damping, *, residual, method, has_aux, options,
             j = _sharding.gathered(j)
             return 0.5 * jnp.sum(r * r), (r, j, _sharding.split_like(_sharding.dot(j.T, r), v))
 
+        scale = (None if x_scale is None
+                 else jax.lax.stop_gradient(ravel_pytree(x_scale)[0]).astype(dtype))
         make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
         state, info = _runner.iterate(
-            make(evaluate, rtol, damping), x0_flat, rtol=rtol, atol=atol,
+            make(evaluate, (rtol, scale), damping), x0_flat, rtol=rtol, atol=atol,
             max_steps=options.max_steps, record_history=options.full_output,
         )
         info = info._replace(residual=_runner.max_norm(state.g))
@@ -290,16 +298,19 @@ def _damped_step(r, j, damping, x):
     return _sharding.split_like(h.astype(x.dtype), x)
 
 
-def _error(x, f, r, j, g, d0, rtol):
+def _error(x, f, r, j, g, d0, tol):
     """The test's error (see the module docstring) and the Gauss–Newton step: the step's
-    excess over ``rtol |x_i|``, or 0 where the gradient is zero to rounding (the
+    excess over ``rtol |x_i|`` (in units of ``x_scale_i`` where given: ``tol = (rtol,
+    x_scale)``), or 0 where the gradient is zero to rounding (the
     first-order condition, which the step cannot measure where the residuals' curvature
     dominates ``JᵀJ``: ``J -> 0`` at a minimum with non-zero residuals, where ``h``
     grows without bound): ``|(Jᵀr)_i| <= 32 eps |J_i| |r|`` for every unknown, with
     ``|J_i|`` the larger of column ``i``'s norms at the guess and now (MINPACK's cosine
     test; against the guess's norm too, so that a column shrinking to 0 passes)."""
     h = _gauss_newton_step(r, j, x)
-    error = _runner.max_norm(jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0))
+    rtol, x_scale = tol
+    excess = jnp.maximum(jnp.abs(h) - rtol * jnp.abs(x), 0.0)
+    error = _runner.max_norm(excess if x_scale is None else excess / x_scale)
     # The step measures the distance only if it accounts for the whole gradient: the
     # linear model's gradient after it, Jᵀ(r + J h), zero to rounding. Not where lstsq
     # dropped small singular values whose directions carry the gradient (float32 on
@@ -319,13 +330,13 @@ def _stationary(r, g, j, d0=0.0):
     return jnp.all(jnp.abs(g) <= cosine)
 
 
-def _accept(state, ok, x, f, r, j, g, rtol):
+def _accept(state, ok, x, f, r, j, g, tol):
     """``state`` moved to the evaluated point ``x`` where ``ok``, with its test and its
     Gauss–Newton step (where not, those of the point it stays at, computed alike)."""
     x, f, r, j, g = (jnp.where(ok, new, old) for new, old in
                      ((x, state.x), (f, state.f), (r, state.r), (j, state.j), (g, state.g)))
     d = jnp.maximum(state.d, jnp.sum(j * j, axis=0))
-    error, h = _error(x, f, r, j, g, state.d0, rtol)
+    error, h = _error(x, f, r, j, g, state.d0, tol)
     # A measurable decrease of 0.5 ||r||² is progress for the runner's stagnation test
     # too: far from the minimum (and along ill-conditioned valleys) the Gauss–Newton
     # step the test measures need not shrink while the objective falls.
@@ -334,12 +345,12 @@ def _accept(state, ok, x, f, r, j, g, rtol):
                           best=jnp.where(improved, f, state.best), improved=improved)
 
 
-def _start(evaluate, rtol, damping):
+def _start(evaluate, tol, damping):
     def init(x0):
         f, (r, j, g) = evaluate(x0)
         d = jnp.sum(j * j, axis=0)
         one = jnp.ones((), x0.dtype)
-        error, h = _error(x0, f, r, j, g, d, rtol)  # (d: d0)
+        error, h = _error(x0, f, r, j, g, d, tol)  # (d: d0)
         return _State(x0, f, r, j, g, h, jnp.int32(_status.RUNNING), error, damping * one,
                       2.0 * one, d, d, f, jnp.bool_(False))
 
@@ -350,8 +361,8 @@ def _start(evaluate, rtol, damping):
     return init, terminate
 
 
-def _levenberg_marquardt(evaluate, rtol, damping):
-    init, terminate = _start(evaluate, rtol, damping)
+def _levenberg_marquardt(evaluate, tol, damping):
+    init, terminate = _start(evaluate, tol, damping)
 
     def step(state):
         x, f, j, g, mu, nu = state.x, state.f, state.j, state.g, state.mu, state.nu
@@ -374,7 +385,7 @@ def _levenberg_marquardt(evaluate, rtol, damping):
                            1.0 / 3.0)
         mu = jnp.where(ok, mu * factor, mu * nu)
         nu = jnp.where(ok, 2.0, 2.0 * nu)
-        state = _accept(state, ok, x_new, f_new, r_new, j_new, g_new, rtol)
+        state = _accept(state, ok, x_new, f_new, r_new, j_new, g_new, tol)
         wide = nu.astype(jnp.promote_types(nu.dtype, jnp.float32))  # (2**40: no float16)
         status = jnp.where(jnp.isfinite(state.f) & (wide > _NU_MAX), _status.NO_DECREASE,
                            _status.RUNNING).astype(jnp.int32)
@@ -383,13 +394,13 @@ def _levenberg_marquardt(evaluate, rtol, damping):
     return _runner.Method(init, step, terminate)
 
 
-def _gauss_newton(evaluate, rtol, damping):
+def _gauss_newton(evaluate, tol, damping):
     """Gauss–Newton in Powell's dogleg trust region (``mu`` holds the radius): the step
     ``h`` where it fits, else the path from the Cauchy point (the model's minimiser along
     ``-Jᵀr``) towards ``h`` cut at the radius. A line search along ``h`` alone crawls where
     ``J`` is nearly singular (``h`` almost orthogonal to the gradient): SciPy's
     boundary-value problem stalled at cost 19.8 after 1000 steps."""
-    start, terminate = _start(evaluate, rtol, damping)
+    start, terminate = _start(evaluate, tol, damping)
 
     def init(x0):
         return start(x0)._replace(mu=jnp.maximum(_norm(x0), 1.0).astype(x0.dtype))
@@ -410,7 +421,7 @@ def _gauss_newton(evaluate, rtol, damping):
         radius = jnp.where(~ok | (rho < 0.25), 0.25 * p_norm,
                            jnp.where((rho > 0.75) & (p_norm >= 0.99 * radius),
                                      jnp.maximum(radius, 2.0 * p_norm), radius))
-        state = _accept(state, ok, x + p, f_new, r_new, j_new, g_new, rtol)
+        state = _accept(state, ok, x + p, f_new, r_new, j_new, g_new, tol)
         eps = jnp.finfo(x.dtype).eps
         stuck = ~ok & (radius <= eps * jnp.maximum(_norm(state.x), eps))
         status = jnp.where(jnp.isfinite(state.f) & stuck, _status.NO_DECREASE, _status.RUNNING)

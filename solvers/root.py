@@ -89,6 +89,7 @@ def root(
     upper=None,
     rtol=None,
     atol=None,
+    x_scale=None,
     max_steps=100,
     rule="vjp",
     linear_solver="auto",
@@ -156,7 +157,13 @@ def root(
         1e-8/1e-10 in float64, 4 eps/0.4 eps in
         float16 and bfloat16); the adjoint linear solve uses ``rtol / 10`` (its test is
         on the 2-norm of the whole residual).
-      max_steps: iteration cap.
+      x_scale: the unknowns' typical sizes (as MINPACK's ``diag`` and SciPy's
+        ``x_scale``; positive; a scalar, or a pytree like ``x0`` whose leaves are scalars or
+        shaped like ``x0``'s): unknown ``i`` is then settled to ``atol * x_scale_i + rtol
+        |x_i|``, in the step test and in the residual test, instead of the automatic
+        ``min(atol, rtol max(max|x|, max|x0|))`` for all. Set it where the unknowns differ
+        in size by orders of magnitude and some of them tend to 0 (``rtol |x_i|`` then
+        vanishes and the common absolute part is too coarse for the small ones).
       rule: ``"vjp"`` or ``"jvp"`` (see :func:`implicit.custom_root`).
       linear_solver: adjoint linear solver (see :mod:`implicit.linear`); ``"auto"``
         (default): ``"dense"`` when the Jacobian is dense, ``"gmres"`` otherwise. With a
@@ -260,11 +267,13 @@ def root(
     # fewer).
     bounded = lower is not None or upper is not None
     bounds = _checks.box_bounds(lower, upper, x0) if bounded else None
+    scales = None if x_scale is None else _checks.scales(x_scale, x0, "x_scale")
     out = _runner.dispatch(
         _solve,
         x0,
         args,
         bounds,
+        scales,
         *_checks.tolerances(rtol, atol, dtype),
         options=opts,
         F=F,
@@ -345,6 +354,7 @@ def _solve(
     x0,
     args,
     bounds,
+    x_scale,
     rtol,
     atol,
     *,
@@ -380,10 +390,13 @@ def _solve(
         def fn(v):
             return ravel_pytree(F(unravel(v), *args))[0]
 
+        scale = (None if x_scale is None
+                 else jax.lax.stop_gradient(ravel_pytree(x_scale)[0]).astype(x0_flat.dtype))
+        tol = (rtol, atol, _runner.max_norm(x0_flat), scale)
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps),
-                      structure, (rtol, atol, _runner.max_norm(x0_flat)))
+                      structure, tol)
         if method == "dogleg":
-            runner_method = _dogleg(fn, project, rtol, atol, _runner.max_norm(x0_flat))
+            runner_method = _dogleg(fn, project, *tol)
         else:
             runner_method = _method(fn, ops, *_METHODS[method](ops, history_size),
                                     line_search, rtol, atol, project,
@@ -470,7 +483,7 @@ class _Linear(NamedTuple):
     jacobian: str  # "dense", "matfree" or "sparse" (a Structure: block elimination)
     eta_min: Any  # tightest GMRES forcing term
     structure: Any = None  # the solvers._sparse.Structure of jacobian="sparse"
-    tol: Any = None  # (rtol, atol, max|x0|): the residual test's tolerances
+    tol: Any = None  # (rtol, atol, max|x0|, x_scale or None): the tests' tolerances
 
     def residual_tolerance(self, x, jac):
         """Per equation, ``sum_j |J_ij| (atol + rtol' |x_j|)`` (``rtol' = max(rtol,
@@ -680,7 +693,7 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
         # a fast-converging iteration stops a step earlier; never more than |d|. Each
         # unknown is judged in its own scale (see _scaled_step).
-        atol_x = _effective_atol(x, rtol, atol, ops.tol[2])
+        atol_x = _effective_atol(x, rtol, atol, *ops.tol[2:])
         scaled, scale = _scaled_step(x, d, rtol, atol_x)
         rate = scaled / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
@@ -826,7 +839,7 @@ _TRUST_ACCEPT = 1e-4  # accept a step whose actual reduction is this share of th
 _TRUST_RADIUS0 = 100.0  # initial radius: this times |x0| (or this if x0 = 0), as hybr
 
 
-def _dogleg(fn, project, rtol, atol, size0):
+def _dogleg(fn, project, rtol, atol, size0, x_scale=None):
     """Powell's dogleg trust region on ``|F|²`` with a fresh dense Jacobian at every
     accepted point (as MINPACK's ``hybrj``, without its Broyden updates).
 
@@ -900,13 +913,13 @@ def _dogleg(fn, project, rtol, atol, size0):
         status = jnp.where(~jnp.isfinite(f_max), _status.NONFINITE,
                            jnp.where(stuck, _status.NO_DECREASE, _status.RUNNING))
         big = jnp.finfo(x.dtype).max
-        atol_x = _effective_atol(x, rtol, atol, size0)
+        atol_x = _effective_atol(x, rtol, atol, size0, x_scale)
         scaled, scale = _scaled_step(x, jnp.where(jnp.isfinite(step_size), newton, 0.0),
                                      rtol, atol_x)
         error = jnp.where(jnp.isfinite(step_size), scaled * (atol + rtol * scale), big)
         error = error.astype(x.dtype)
         # The residual test of _method's (see _Linear.residual_tolerance).
-        r_tol = _residual_tolerance(jac, x, rtol, atol, size0)
+        r_tol = _residual_tolerance(jac, x, rtol, atol, size0, x_scale)
         residual_ok = all_(jnp.abs(fx) <= r_tol)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
                       error, scale.astype(x.dtype), residual_ok)
@@ -953,16 +966,19 @@ def dogleg_step(g, newton, jac, radius):
                      jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
 
 
-def _effective_atol(x, rtol, atol, size0):
+def _effective_atol(x, rtol, atol, size0, x_scale=None):
     """``min(atol, rtol max(max|x|, max|x0|))`` (``atol`` where both are 0): the absolute
     tolerance of each unknown, no coarser than ``rtol`` times the unknowns' size (the
     automatic scale of the unknowns, as MINPACK's ``xtol |D x|``). Changes nothing where
-    the unknowns are of the order ``atol / rtol`` or larger."""
+    the unknowns are of the order ``atol / rtol`` or larger. With ``x_scale`` (the user's
+    sizes, flat like ``x``): ``atol * x_scale``, unknown by unknown."""
+    if x_scale is not None:
+        return (atol * x_scale).astype(x.dtype)
     top = jnp.maximum(_runner.max_norm(x), size0)
     return jnp.where(top > 0, jnp.minimum(atol, rtol * top), atol).astype(x.dtype)
 
 
-def _residual_tolerance(jac, x, rtol, atol, size0):
+def _residual_tolerance(jac, x, rtol, atol, size0, x_scale=None):
     """``|J| (atol + rtol' |x|)``, row by row, ``rtol' = max(rtol, 16 eps)`` (see
     :meth:`_Linear.residual_tolerance`), split as ``x`` is (on an Explicit mesh the
     gathered Jacobian's product is not)."""
@@ -971,7 +987,7 @@ def _residual_tolerance(jac, x, rtol, atol, size0):
     # the iterate and the guess, as MINPACK's xtol |D x|): unknowns of 1e-7 from a guess
     # of 1e-5 are not settled by atol = 1e-10 (their equations' terms are that small
     # too). Where both are 0, atol.
-    w = _effective_atol(x, rtol, atol, size0) + rtol * jnp.abs(x)
+    w = _effective_atol(x, rtol, atol, size0, x_scale) + rtol * jnp.abs(x)
     return _sharding.split_like(_sharding.dot(jnp.abs(jac), w).astype(x.dtype), x)
 
 

@@ -210,6 +210,28 @@ def test_damping_is_the_initial_levenberg_marquardt_damping(x64):
                               method="gauss-newton")
 
 
+def test_x_scale_settles_a_small_unknown_to_its_own_size(x64):
+    """Residuals (x1 - 2, (x2 - 1e-12)²): Gauss–Newton's step on the second halves the
+    error each time, and the first-order test cannot pass before the step test (Jᵀr is
+    (x2 - c)³ against a rounding bound of the same order), so the step test decides:
+    without ``x_scale`` x2 is settled to ``atol`` (1e-10, 100x its size), with its size
+    given to ``rtol`` of it (the closed form's 1e-12)."""
+    c = 1e-12
+
+    @jax.jit
+    def fit(x_scale):
+        return solvers.least_squares(lambda x: jnp.stack([x[0] - 2.0, (x[1] - c) ** 2]),
+                                     jnp.array([1.0, 1e-9]), x_scale=x_scale,
+                                     max_steps=400, full_output=True)
+
+    (x, info), (xs, info_s) = fit(None), fit(jnp.array([1.0, c]))
+    assert bool(info.converged) and bool(info_s.converged)
+    assert abs(float(x[1]) - c) > 10 * c
+    assert abs(float(xs[1]) - c) <= 1e-6 * c
+    with pytest.raises(ValueError, match="`x_scale` must be positive"):
+        solvers.least_squares(lambda x: x - 1.0, jnp.ones(2), x_scale=jnp.array([1.0, -2.0]))
+
+
 def test_scaled_meyer_fit_is_solved_in_float64(x64):
     # SciPy's MINPACK: (2.48177814, 6.1813464, 3.45223636), 0.5 |r|² = 4.3972928e-05. The
     # step solved the normal equations (cond 4e17: beyond float64) and the runner called

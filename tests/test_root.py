@@ -326,11 +326,49 @@ def test_initial_guess_gets_zero_cotangent():
             "rule='vjp'",
         ),
         (lambda: solvers.root(lambda x, s: x, 1.0, {"text"}), TypeError, "args"),
+        (lambda: solvers.root(lambda x: x, jnp.ones(2), x_scale=jnp.array([1.0, 0.0])),
+         ValueError, r"`x_scale` must be positive and finite: x_scale\[1\] = 0.0"),
+        (lambda: solvers.root(lambda x: x, 1.0, x_scale=-1.0), ValueError, "`x_scale`"),
+        (lambda: solvers.root(lambda x: x, jnp.ones(2), x_scale=jnp.ones(3)), ValueError,
+         "`x_scale` must be a scalar or a pytree shaped like x0"),
     ],
 )
 def test_bad_input_is_reported_at_call_time(call, error, match):
     with pytest.raises(error, match=match):
         jax.block_until_ready(call())
+
+
+_TINY = 1e-12  # the root's small unknown
+
+
+def _tiny_root(x):
+    """A root at (2, 1e-12), the small unknown's a triple root: Newton's steps there
+    shrink by 2/3 each, so the step test decides where it stops."""
+    return {"big": x["big"] - 2.0, "tiny": (x["tiny"] - _TINY) ** 3}
+
+
+@pytest.mark.parametrize("method", ["newton", "dogleg"])
+def test_x_scale_settles_a_small_unknown_to_its_own_size(method, x64):
+    """Without ``x_scale`` the unknown tending to 1e-12 is settled to ``atol`` (1e-10:
+    100x its size, within the contract); with its size given, to ``rtol`` of it. The
+    root is the closed form's; the gradient in a parameter is the implicit function
+    theorem's closed form (dx_big/da = 1)."""
+    x0 = {"big": 1.0, "tiny": 1e-9}
+    scale = {"big": 1.0, "tiny": _TINY}
+
+    @jax.jit
+    def solve(a, x_scale):
+        F = (lambda x, a: {"big": x["big"] - a, "tiny": _tiny_root(x)["tiny"]})
+        return solvers.root(F, x0, a, method=method, x_scale=x_scale, max_steps=200,
+                            full_output=True)
+
+    (x, info), (xs, info_s) = solve(2.0, None), solve(2.0, scale)
+    assert bool(info.converged) and bool(info_s.converged)
+    assert abs(float(x["tiny"]) - _TINY) > 10 * _TINY  # the automatic scale: atol
+    assert abs(float(xs["tiny"]) - _TINY) <= 1e-6 * _TINY
+    np.testing.assert_allclose(float(xs["big"]), 2.0, rtol=1e-12)
+    grad = jax.grad(lambda a: solve(a, scale)[0]["big"])(2.0)
+    np.testing.assert_allclose(float(grad), 1.0, rtol=1e-10)
 
 
 def test_integer_initial_guess_is_promoted():
