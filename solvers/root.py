@@ -111,9 +111,9 @@ def root(
     halved over it (else the Jacobian is refreshed to decide: a stale approximation can
     give a tiny step far from a root). ``atol`` there is at most ``rtol`` times the
     unknowns' size (``max(max|x|, max|x0|)``, as MINPACK's ``xtol |D x|``): unknowns of
-    1e-7 from a guess of 1e-5 are not settled by ``atol = 1e-10``. With a dense Jacobian
-    (``newton``, ``chord``, ``broyden``, ``dogleg``), the residual must also hold, equation
-    by equation: ``|F_i(x)| <= sum_j |J_ij| (atol + rtol |x_j|)`` (that ``atol``), what a
+    1e-7 from a guess of 1e-5 are not settled by ``atol = 1e-10``. With a formed Jacobian
+    (dense: ``newton``, ``chord``, ``broyden``, ``dogleg``; ``jac_sparsity``'s blocks:
+    ``newton``; not matrix-free), the residual must also hold, equation by equation: ``|F_i(x)| <= sum_j |J_ij| (atol + rtol |x_j|)`` (that ``atol``), what a
     change of the unknowns within their tolerances can move ``F_i`` by, so a tiny step
     from an ill-conditioned ``J`` far from a root is not a solution, however ``F`` is
     scaled. A guess with ``F(x0) == 0`` is returned after zero steps.
@@ -490,10 +490,14 @@ class _Linear(NamedTuple):
         16 eps)``, room for rounding): what a change of the unknowns within their own
         tolerances can move ``F_i`` by. A residual above it is not a solution, however
         small the step (an ill-conditioned ``J`` gives tiny Newton steps far from a
-        root). ``inf`` where the Jacobian is not formed (matrix-free, sparse)."""
+        root). ``jac``: the dense Jacobian, or (sparse) its blocks; ``inf`` where it is
+        not formed (matrix-free)."""
         if jac is None or self.tol is None:
             return jnp.full_like(x, jnp.inf)
-        return _residual_tolerance(jac, x, *self.tol)
+        if self.jacobian == "sparse":
+            return _residual_tolerance(
+                lambda w: self.structure.matvec(jnp.abs(jac), w), x, *self.tol)
+        return _residual_tolerance(_abs_product(jac), x, *self.tol)
 
     def newton_step(self, x):
         """``(F(x), J(x)⁻¹ F(x), factors)``: ``J(x)`` factored as :meth:`reusable` takes it
@@ -505,8 +509,9 @@ class _Linear(NamedTuple):
             return fx, step, factors, self.residual_tolerance(x, jac)
         if self.jacobian == "sparse":
             s = self.structure
-            fx, factors = self.fn(x), s.factor(s.jacobian(self.fn, x))
-            return fx, s.solve(factors, fx), factors, self.residual_tolerance(x, None)
+            blocks = s.jacobian(self.fn, x)
+            fx, factors = self.fn(x), s.factor(blocks)
+            return fx, s.solve(factors, fx), factors, self.residual_tolerance(x, blocks)
         fx = self.fn(x)
         return fx, self.apply_inverse(x, fx), x, self.residual_tolerance(x, None)
 
@@ -919,7 +924,7 @@ def _dogleg(fn, project, rtol, atol, size0, x_scale=None):
         error = jnp.where(jnp.isfinite(step_size), scaled * (atol + rtol * scale), big)
         error = error.astype(x.dtype)
         # The residual test of _method's (see _Linear.residual_tolerance).
-        r_tol = _residual_tolerance(jac, x, rtol, atol, size0, x_scale)
+        r_tol = _residual_tolerance(_abs_product(jac), x, rtol, atol, size0, x_scale)
         residual_ok = all_(jnp.abs(fx) <= r_tol)
         return _Trust(x, fx, jac, newton, radius, jnp.bool_(True), status.astype(jnp.int32),
                       error, scale.astype(x.dtype), residual_ok)
@@ -978,17 +983,22 @@ def _effective_atol(x, rtol, atol, size0, x_scale=None):
     return jnp.where(top > 0, jnp.minimum(atol, rtol * top), atol).astype(x.dtype)
 
 
-def _residual_tolerance(jac, x, rtol, atol, size0, x_scale=None):
+def _abs_product(jac):
+    """``w -> |J| w`` for a dense Jacobian."""
+    return lambda w: _sharding.dot(jnp.abs(jac), w)
+
+
+def _residual_tolerance(abs_product, x, rtol, atol, size0, x_scale=None):
     """``|J| (atol + rtol' |x|)``, row by row, ``rtol' = max(rtol, 16 eps)`` (see
-    :meth:`_Linear.residual_tolerance`), split as ``x`` is (on an Explicit mesh the
-    gathered Jacobian's product is not)."""
+    :meth:`_Linear.residual_tolerance`; ``abs_product(w) = |J| w``), split as ``x`` is
+    (on an Explicit mesh the gathered Jacobian's product is not)."""
     rtol = jnp.maximum(rtol, 16 * jnp.finfo(x.dtype).eps)
     # The absolute part no larger than rtol times the unknowns' size (the largest of
     # the iterate and the guess, as MINPACK's xtol |D x|): unknowns of 1e-7 from a guess
     # of 1e-5 are not settled by atol = 1e-10 (their equations' terms are that small
     # too). Where both are 0, atol.
     w = _effective_atol(x, rtol, atol, size0, x_scale) + rtol * jnp.abs(x)
-    return _sharding.split_like(_sharding.dot(jnp.abs(jac), w).astype(x.dtype), x)
+    return _sharding.split_like(abs_product(w).astype(x.dtype), x)
 
 
 def _scaled_step(x, d, rtol, atol):

@@ -116,3 +116,34 @@ def test_jac_sparsity_errors():
         solvers.root(F, jnp.ones(3), jacobian="dense", jac_sparsity=0)
     with pytest.raises(ValueError, match=r"`jac_sparsity` must have shape \(3, 3\)"):
         solvers.root(F, jnp.ones(3), jac_sparsity=np.eye(2, dtype=bool))
+
+
+def test_sparse_residual_tolerance_is_the_dense_one(x64):
+    """With jac_sparsity the per-equation residual test uses the Jacobian's blocks:
+    ``|J| (atol' + rtol' |x|)`` row by row, against NumPy's product of the dense Jacobian
+    (jax.jacfwd) in the original order, with the automatic ``atol'`` and with
+    ``x_scale``'s, on the Bratu pattern (entries of both signs)."""
+    import sys
+
+    from solvers._sparse import structure
+
+    root_module = sys.modules["solvers.root"]
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(M * M))
+
+    def F(u):  # (off-diagonal entries -1/h², diagonal 4/h² - λ exp(u) - 3u²)
+        return bratu(u, LAM) - u ** 3
+
+    s = structure(bratu_pattern(), M * M)
+    blocks = s.jacobian(F, x)
+    J = np.abs(np.asarray(jax.jacfwd(F)(x)))
+    rtol, atol, size0 = 1e-8, 1e-10, 0.5
+    scale = np.exp(rng.standard_normal(M * M))
+    for x_scale in (None, scale):
+        tol = (jnp.float64(rtol), jnp.float64(atol), jnp.float64(size0),
+               None if x_scale is None else jnp.asarray(x_scale))
+        ops = root_module._Linear(F, "sparse", 1e-10, s, tol)
+        got = np.asarray(ops.residual_tolerance(x, blocks))
+        top = max(np.max(np.abs(np.asarray(x))), size0)
+        a = min(atol, rtol * top) if x_scale is None else atol * x_scale
+        np.testing.assert_allclose(got, J @ (a + rtol * np.abs(np.asarray(x))), rtol=1e-12)
