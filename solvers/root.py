@@ -113,8 +113,9 @@ def root(
     unknowns' size (``max(max|x|, max|x0|)``, as MINPACK's ``xtol |D x|``): unknowns of
     1e-7 from a guess of 1e-5 are not settled by ``atol = 1e-10``. With a formed Jacobian
     (dense: ``newton``, ``chord``, ``broyden``, ``dogleg``; ``jac_sparsity``'s blocks:
-    ``newton``; not matrix-free), the residual must also hold, equation by equation: ``|F_i(x)| <= sum_j |J_ij| (atol + rtol |x_j|)`` (that ``atol``), what a
-    change of the unknowns within their tolerances can move ``F_i`` by, so a tiny step
+    ``newton``; not matrix-free), the residual must also hold, equation by equation:
+    ``|F_i(x)| <= sum_j |J_ij| (atol + rtol |x_j|)`` (that ``atol``), what a change of the
+    unknowns within their tolerances can move ``F_i`` by, so a tiny step
     from an ill-conditioned ``J`` far from a root is not a solution, however ``F`` is
     scaled. A guess with ``F(x0) == 0`` is returned after zero steps.
     Gradients with respect to ``args`` and to traced values ``F`` closes over are
