@@ -101,7 +101,12 @@ def inverses(a):
     forward loop, the replay and the backward pass) that was 181 of the 978 computations
     of the ODE page's ``bdf`` example. (Gauss–Jordan, :func:`inverse`, is no cheaper to
     compile batched: its pivot searches are a reduction each.) The derivative is
-    ``-a⁻¹ da a⁻¹``. A singular matrix: non-finite entries."""
+    ``-a⁻¹ da a⁻¹``. A singular matrix: non-finite entries. On a GPU/TPU,
+    ``jnp.linalg.inv``: cuBLAS factors a batch of small matrices in one call only when
+    they are square (a batch of ``n x 2n`` ones would be factored one by one), and
+    there the permutation is a kernel of its own, not a loop."""
+    if _sharding.on_accelerator():
+        return jnp.linalg.inv(a)
     n = a.shape[-1]
     eye = jnp.broadcast_to(jnp.eye(n, dtype=a.dtype), a.shape)
     lu, _, _ = jax.lax.linalg.lu(jnp.concatenate([a, eye], axis=-1))

@@ -119,12 +119,16 @@ def test_gauss_jordan_under_vmap_and_jvp(x64):
     np.testing.assert_allclose(np.asarray(tangent), -ai @ da @ ai, atol=1e-12)
 
 
-def test_batched_inverses_like_numpy(x64):
-    """_lu.inverses (the LU of [a | I], no permutation formed: the blocks of
-    jac_sparsity's cyclic reduction) against NumPy, batched, on blocks that need their
-    pivots; its jvp against the closed form -A⁻¹ dA A⁻¹, its gradient (reverse mode
-    through the custom jvp) against float64 central differences; a singular block gives
-    non-finite entries (that block only)."""
+@pytest.mark.parametrize("accelerator", [False, True])
+def test_batched_inverses_like_numpy(x64, accelerator, monkeypatch):
+    """_lu.inverses (on CPU the LU of [a | I], no permutation formed; on an accelerator
+    jnp.linalg.inv: the blocks of jac_sparsity's cyclic reduction) against NumPy,
+    batched, on blocks that need their pivots; its jvp against the closed form
+    -A⁻¹ dA A⁻¹, its gradient (reverse mode through the custom jvp) against float64
+    central differences; a singular block gives non-finite entries (that block only)."""
+    from implicit import _sharding
+
+    monkeypatch.setattr(_sharding, "on_accelerator", lambda: accelerator)
     mats = np.stack([_needs_pivots(4, s) + 0.1 * s * np.eye(4) for s in range(3)]
                     + [_matrix(4, 7, dominance=0.0)])
     da = np.random.default_rng(3).standard_normal(mats.shape)
