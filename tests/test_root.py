@@ -341,10 +341,10 @@ def test_bad_input_is_reported_at_call_time(call, error, match):
 _TINY = 1e-12  # the root's small unknown
 
 
-def _tiny_root(x):
-    """A root at (2, 1e-12), the small unknown's a triple root: Newton's steps there
+def _tiny_root(x, a):
+    """A root at (a, 1e-12), the small unknown's a triple root: Newton's steps there
     shrink by 2/3 each, so the step test decides where it stops."""
-    return {"big": x["big"] - 2.0, "tiny": (x["tiny"] - _TINY) ** 3}
+    return {"big": x["big"] - a, "tiny": (x["tiny"] - _TINY) ** 3}
 
 
 @pytest.mark.parametrize("method", ["newton", "dogleg"])
@@ -358,9 +358,8 @@ def test_x_scale_settles_a_small_unknown_to_its_own_size(method, x64):
 
     @jax.jit
     def solve(a, x_scale):
-        F = (lambda x, a: {"big": x["big"] - a, "tiny": _tiny_root(x)["tiny"]})
-        return solvers.root(F, x0, a, method=method, x_scale=x_scale, max_steps=200,
-                            full_output=True)
+        return solvers.root(_tiny_root, x0, a, method=method, x_scale=x_scale,
+                            max_steps=200, full_output=True)
 
     (x, info), (xs, info_s) = solve(2.0, None), solve(2.0, scale)
     assert bool(info.converged) and bool(info_s.converged)
