@@ -370,14 +370,20 @@ def box_bounds(lower, upper, x0):
         lo_np = np.asarray(lo_leaf, np.float64)
         up_np = np.asarray(up_leaf, np.float64)
         bad = ~(lo_np <= up_np)  # (NaN bounds too)
-        if bad.any():  # (np.argwhere finds nothing in a 0-d array: index it apart)
-            i = tuple(int(k) for k in np.argwhere(bad)[0]) if bad.ndim else ()
-            where = f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
+        if bad.any():
+            i, where = _first(bad, path)
             raise ValueError(
                 f"`lower` must be <= `upper` elementwise (and not NaN): lower{where} = "
                 f"{float(lo_np[i])!r}, upper{where} = {float(up_np[i])!r}"
             )
     return lo, up
+
+
+def _first(bad, path):
+    """The index of ``bad``'s first True entry and its name under the leaf's ``path``
+    (``"['a'][3]"``). (np.argwhere finds nothing in a 0-d array: indexed apart.)"""
+    i = tuple(int(k) for k in np.argwhere(bad)[0]) if bad.ndim else ()
+    return i, f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
 
 
 def scales(scale, x0, name):
@@ -391,12 +397,21 @@ def scales(scale, x0, name):
         values = np.asarray(leaf, np.float64)
         bad = ~((values > 0) & np.isfinite(values))
         if bad.any():
-            i = tuple(int(k) for k in np.argwhere(bad)[0]) if bad.ndim else ()
-            where = f"{jax.tree_util.keystr(path)}{list(i) if i else ''}"
+            i, where = _first(bad, path)
             raise ValueError(f"`{name}` must be positive and finite: {name}{where} = "
                              f"{float(values[i])!r}")
     return out
 
+
+
+def flat_scales(scale, dtype):
+    """:func:`scales`' pytree raveled as the solver's unknowns are, in ``dtype``, not
+    differentiated (``None`` stays ``None``)."""
+    if scale is None:
+        return None
+    from jax.flatten_util import ravel_pytree
+
+    return jax.lax.stop_gradient(ravel_pytree(scale)[0]).astype(dtype)
 
 def _bound(bound, x0, name, default):
     """A box bound as a pytree like ``x0`` (a scalar broadcasts, to the whole of ``x0`` or

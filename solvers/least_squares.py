@@ -238,11 +238,10 @@ def _solve(x0, args, x_scale, rtol, atol, damping, *, residual, method, has_aux,
             j = _sharding.gathered(j)
             return 0.5 * jnp.sum(r * r), (r, j, _sharding.split_like(_sharding.dot(j.T, r), v))
 
-        scale = (None if x_scale is None
-                 else jax.lax.stop_gradient(ravel_pytree(x_scale)[0]).astype(dtype))
         make = _levenberg_marquardt if method == "levenberg-marquardt" else _gauss_newton
+        tol = (rtol, _checks.flat_scales(x_scale, dtype))
         state, info = _runner.iterate(
-            make(evaluate, (rtol, scale), damping), x0_flat, rtol=rtol, atol=atol,
+            make(evaluate, tol, damping), x0_flat, rtol=rtol, atol=atol,
             max_steps=options.max_steps, record_history=options.full_output,
         )
         info = info._replace(residual=_runner.max_norm(state.g))

@@ -391,9 +391,7 @@ def _solve(
         def fn(v):
             return ravel_pytree(F(unravel(v), *args))[0]
 
-        scale = (None if x_scale is None
-                 else jax.lax.stop_gradient(ravel_pytree(x_scale)[0]).astype(x0_flat.dtype))
-        tol = (rtol, atol, _runner.max_norm(x0_flat), scale)
+        tol = (rtol, atol, _runner.max_norm(x0_flat), _checks.flat_scales(x_scale, x0_flat.dtype))
         ops = _Linear(fn, jacobian, jnp.maximum(rtol, 8 * jnp.finfo(rtol.dtype).eps),
                       structure, tol)
         if method == "dogleg":
