@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from implicit import _sharding
 
 from solvers import _status
-from solvers.ode import _control, _integrate, _small
+from solvers.ode import _control, _explicit, _integrate, _small
 
 __all__ = ["make_solve", "DRIFT_LIMIT"]
 
@@ -607,6 +607,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         return ok, jnp.minimum(count, R), buf
 
     explicit = stepper.diff_step is None
+    if explicit:
+        tab = stepper.tableau
+        b = jnp.asarray(tab.b, dtype)
+        rhs = lambda u, t, th: G(u, t, th, const)  # noqa: E731
     estimate = on_failure != "ignore"
 
     with_err = estimate or explicit  # (otherwise the step's error estimate is not used)
@@ -618,8 +622,6 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         # from constants alone, as BDF's are, is otherwise invariant, and its varying
         # cotangent is refused; it reaches no input: the cast's transpose is dropped).
         return _sharding.vary_like(out, (z, cache, theta))
-
-    powers = jnp.arange(1, degree + 1, dtype=dtype)
 
     def where(pred, a, b):
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), a, b)
@@ -652,7 +654,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         return mode.astype(i32), j.astype(i32)
 
     def back_step(carry, buf):
-        """One trip of the backward loop: one ``jax.vjp`` of ``step_fn``.
+        """One trip of the backward loop: one ``jax.vjp`` of ``step_fn`` (an explicit
+        method's: :func:`_explicit.erk_vjp`, from the stage derivatives the replay kept).
 
         ``carry = (k, mode, j, sub, adj)``: steps ``0 .. k-1`` of the segment remain
         (``buf``'s rows, from the replay), the cotangents
@@ -673,7 +676,11 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         exact = (ts == s1).astype(dtype)
         inside = ((ts > s) & (ts < s1)).astype(dtype)
         frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
-        weights = _small.matmul((inside[:, None] * frac[:, None] ** powers[None, :]).T, gz)
+        # (θ, θ², ...: products, where a power of a float exponent is a call of pow each)
+        powers = [inside * frac]
+        for _ in range(degree - 1):
+            powers.append(powers[-1] * frac)
+        weights = _small.matmul(jnp.stack(powers), gz)
         step, fwd, bwd, dense_only = (mode == m for m in (STEP, SUB_FWD, SUB_BWD, DENSE))
         # An output at the step's end enters once, at the start of the step's trips.
         lam_z1 = lam_z + _small.matmul(exact * step, gz)
@@ -686,10 +693,23 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         zero_z, zero_c = _sharding.zeros_like(z), _sharding.zeros_like(lam_cache)
         zero_w = _sharding.zeros_like(weights)
         zero_e = zero_z if with_err else None
-        (z1, cache1, _, _), vjp = jax.vjp(
-            lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
-            zero_z if estimate else None,
-        )
+        if explicit:
+            # The stage derivatives: the replay's, or a substep's, taken here.
+            ks = _sharding.cond_once(
+                on_sub, lambda: _explicit.erk_step(tab, lambda u, t: rhs(u, t, theta), s, z,
+                                                   cache[0], h, n)[3], lambda: ks)
+            z1, cache1 = z + h * _small.matmul(b, ks), (ks[-1],)
+
+            def vjp(rows):
+                dz, dcache, dtheta = _explicit.erk_vjp(tab, rhs, s, z, h, ks, theta,
+                                                       rows[:4], n)
+                return dz, dcache, dtheta, None
+        else:
+            (z1, cache1, _, _), vjp = jax.vjp(
+                lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
+                zero_z if estimate else None,
+            )
+            vjp = jax.vmap(vjp)
         # Row 0: the cotangent (the continuous extension's weights alone on a DENSE
         # trip). Row 1 (unless on_failure='ignore': nothing would report it): the
         # gradient's error estimate, the derivative of Σ λ_ε·e_n (the local error
@@ -713,7 +733,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             rows.append((mu_z, mu_cache, zero_w, jnp.where(step, lam_eps, zero_z)))
         if explicit:
             rows.append((zero_z, zero_c, zero_w, lam_z1))
-        out = jax.vmap(vjp)(_stack(*rows))
+        out = vjp(_stack(*rows))
         dz, dcache, dtheta, _ = _row(out, 0)
         mu_new, derr = (mu_z, mu_cache), jnp.zeros_like(err_bar)
         if estimate:

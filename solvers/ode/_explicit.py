@@ -9,7 +9,7 @@ from implicit import _sharding
 
 from solvers.ode import _small
 
-__all__ = ["erk_step", "explicit_stepper"]
+__all__ = ["erk_step", "erk_vjp", "explicit_stepper"]
 
 
 def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
@@ -38,6 +38,49 @@ def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
     return z1, ks[-1], err, ks
 
 
+def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl):
+    """The cotangents of one step of :func:`erk_step` from the stage derivatives ``ks`` it
+    took: its ``jax.vjp`` without taking it again.
+
+    The step maps ``(z, k0 = ks[0], θ)`` to ``z1 = z + h bᵀks``, ``k1 = ks[-1]``, the
+    continuous extension's ``h Dᵀks`` and ``err = h b̂ᵀks``, with the stages
+    ``ks[i] = rhs(U_i, s + c_i h, θ)``, ``U_i = u + h Σ_{j<i} a_ij ks[j]``. ``rows =
+    (z̄1, (k̄1,), D̄, ērr)``, each with a leading axis of cotangents. The stages are
+    differentiated last first, each linearised once (at ``U_i``, from ``ks``) for every
+    row: one loop of ``jax.vjp`` of ``rhs``, where the vjp of the step would first take its
+    stages again in a loop of their own. Returns ``(z̄, (k̄0,), θ̄)`` with that axis.
+    """
+    dtype = z.dtype
+    stages = len(tab.b)
+    a = jnp.asarray(tab.a, dtype)
+    c = jnp.asarray(tab.c, dtype)
+    z1_bar, (k1_bar,), dense_bar, err_bar = rows
+    num = z1_bar.shape[0]
+    # The cotangents of the stage derivatives, (rows, stages, N).
+    kappa = h * (jnp.asarray(tab.b, dtype)[None, :, None] * z1_bar[:, None, :])
+    kappa = kappa + h * jnp.sum(jnp.asarray(tab.dense, dtype)[None, :, :, None]
+                                * dense_bar[:, None, :, :], axis=2)
+    kappa = kappa.at[:, :, :n_ctrl].add(
+        h * jnp.asarray(tab.b_error, dtype)[None, :, None] * err_bar[:, None, :])
+    kappa = kappa.at[:, -1].add(k1_bar)
+    u = z[:n_ctrl]
+
+    def stage(m, carry):
+        kappa, du, dtheta = carry
+        i = stages - 1 - m
+        ui = u + h * _small.matmul(a[i], ks[:, :n_ctrl])
+        _, vjp = jax.vjp(
+            lambda v, th: _sharding.vary_like(rhs(v, s + c[i] * h, th), (v, th)), ui, theta)
+        du_i, dtheta_i = jax.vmap(vjp)(kappa[:, i])
+        kappa = kappa.at[:, :, :n_ctrl].add(h * a[i][None, :, None] * du_i[:, None, :])
+        return kappa, du + du_i, jax.tree.map(jnp.add, dtheta, dtheta_i)
+
+    init = (kappa, _sharding.rows_like(u, num),
+            jax.tree.map(lambda t: _sharding.rows_like(t, num), theta))
+    kappa, du, dtheta = _sharding.fori_loop(0, stages - 1, stage, init)
+    return z1_bar.at[:, :n_ctrl].add(du), (kappa[:, 0],), dtheta
+
+
 def explicit_stepper(tab, rhs, n_ctrl, *, rtol=None, atol=None):
     """The :class:`~solvers.ode._integrate.Stepper` of an explicit FSAL pair."""
     from solvers.ode._integrate import Stepper
@@ -54,4 +97,5 @@ def explicit_stepper(tab, rhs, n_ctrl, *, rtol=None, atol=None):
         return z1, err, ks, (k1,), (k0,), jnp.bool_(True), (stages - 1, 0, 0)
 
     # Hairer's PI constants for DOPRI5 (β = 0.04): h ∝ ratio^-(1/5 - 0.75β) · ratio_prev^β.
-    return Stepper(init, step, tab.dense, beta1=0.17, beta2=0.04, order=tab.error_order)
+    return Stepper(init, step, tab.dense, beta1=0.17, beta2=0.04, order=tab.error_order,
+                   tableau=tab)

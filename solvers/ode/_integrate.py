@@ -112,6 +112,10 @@ class Stepper(NamedTuple):
     # The cache carries the past steps (bdf's differences): a replayed block must then
     # take the forward's steps, or the cache it ends with is not the checkpoint's.
     history: bool = False
+    # An explicit pair's tableau (its cache is ``(k0,)``, its ``ks`` all its stage
+    # derivatives): the discrete adjoint then differentiates a step from the ``ks`` it took
+    # (:func:`solvers.ode._explicit.erk_vjp`) instead of taking it again.
+    tableau: Any = None
     # ``slope(u, s) -> u'``: the derivative of the controlled components, for the first
     # step's heuristic, where it is not ``rhs`` (a DAE's consistent slope, ``M y' = f``).
     # None: ``rhs``.
