@@ -701,8 +701,10 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
             z1, cache1 = z + h * _small.matmul(b, ks), (ks[-1],)
 
             def vjp(rows):
-                dz, dcache, dtheta = _explicit.erk_vjp(tab, rhs, s, z, h, ks, theta,
-                                                       rows[:4], n)
+                # (the last row, the adjoint's own error estimate, needs no parameters'
+                # cotangent)
+                dz, dcache, dtheta = _explicit.erk_vjp(
+                    tab, rhs, s, z, h, ks, theta, rows, n, theta_rows=len(rows[0]) - 1)
                 return dz, dcache, dtheta, None
         else:
             (z1, cache1, _, _), vjp = jax.vjp(

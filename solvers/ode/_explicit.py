@@ -38,7 +38,7 @@ def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
     return z1, ks[-1], err, ks
 
 
-def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl):
+def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
     """The cotangents of one step of :func:`erk_step` from the stage derivatives ``ks`` it
     took: its ``jax.vjp`` without taking it again.
 
@@ -48,7 +48,9 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl):
     (z̄1, (k̄1,), D̄, ērr)``, each with a leading axis of cotangents. The stages are
     differentiated last first, each linearised once (at ``U_i``, from ``ks``) for every
     row: one loop of ``jax.vjp`` of ``rhs``, where the vjp of the step would first take its
-    stages again in a loop of their own. Returns ``(z̄, (k̄0,), θ̄)`` with that axis.
+    stages again in a loop of their own. Returns ``(z̄, (k̄0,), θ̄)`` with that axis,
+    ``θ̄`` for the first ``theta_rows`` rows only (all by default: the others' parameter
+    cotangents, a neural field's weight gradients, are not computed).
     """
     dtype = z.dtype
     stages = len(tab.b)
@@ -64,6 +66,7 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl):
         h * jnp.asarray(tab.b_error, dtype)[None, :, None] * err_bar[:, None, :])
     kappa = kappa.at[:, -1].add(k1_bar)
     u = z[:n_ctrl]
+    theta_rows = num if theta_rows is None else theta_rows
 
     def stage(m, carry):
         kappa, du, dtheta = carry
@@ -71,12 +74,14 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl):
         ui = u + h * _small.matmul(a[i], ks[:, :n_ctrl])
         _, vjp = jax.vjp(
             lambda v, th: _sharding.vary_like(rhs(v, s + c[i] * h, th), (v, th)), ui, theta)
-        du_i, dtheta_i = jax.vmap(vjp)(kappa[:, i])
+        du_i, dtheta_i = jax.vmap(vjp)(kappa[:theta_rows, i])
+        if theta_rows < num:
+            du_i = jnp.concatenate([du_i, jax.vmap(lambda r: vjp(r)[0])(kappa[theta_rows:, i])])
         kappa = kappa.at[:, :, :n_ctrl].add(h * a[i][None, :, None] * du_i[:, None, :])
         return kappa, du + du_i, jax.tree.map(jnp.add, dtheta, dtheta_i)
 
     init = (kappa, _sharding.rows_like(u, num),
-            jax.tree.map(lambda t: _sharding.rows_like(t, num), theta))
+            jax.tree.map(lambda t: _sharding.rows_like(t, theta_rows), theta))
     kappa, du, dtheta = _sharding.fori_loop(0, stages - 1, stage, init)
     return z1_bar.at[:, :n_ctrl].add(du), (kappa[:, 0],), dtheta
 
