@@ -8,7 +8,8 @@ would pick instead, on the same problem as the suite it comes from:
 - compile s: trace, lower and compile from cleared caches (``jax.clear_caches()``), the
   fastest of ``COMPILE_ROUNDS``, round-robin over every call of the table (machine load
   hits them alike);
-- run ms: the fastest call of ``RUN_ROUNDS`` round-robin rounds, through ``jax.jit``
+- run ms: the fastest call of a row's three, timed round-robin (``RUN_SECONDS`` of
+  rounds per row, ``RUN_ROUNDS`` to ``MAX_RUN_ROUNDS`` of them), through ``jax.jit``
   (as every suite: the ahead-of-time object's call path costs more with a host callback);
 - ours / peer: the default call's compile and run time over the peer's;
 - checks' price: ``raise`` over ``ignore``, minus one (issue 35's targets: at most 10% of
@@ -19,6 +20,8 @@ Run: ``python -m benchmarks price`` (also part of ``make bench``).
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +30,9 @@ from benchmarks import bracket, fixed_point, minimize, neural_ode, ode, root
 from benchmarks._common import OURS, Row, fresh_compile_time, print_table, run_times_interleaved
 
 COMPILE_ROUNDS = 3
-RUN_ROUNDS = 10
+RUN_ROUNDS = 10  # the fewest; as many more as RUN_SECONDS allows, up to MAX_RUN_ROUNDS
+MAX_RUN_ROUNDS = 300
+RUN_SECONDS = 3.0
 NODE_BATCH = 128  # issue 35's neural ODE row (the neural ODE suite's own rows use 512)
 COLUMNS = ["compile s", "compile s, ignore", "peer compile s", "compile ours / peer",
            "checks' compile price", "run ms", "run ms, ignore", "peer run ms",
@@ -137,6 +142,17 @@ CASES = [
 ]
 
 
+def _rounds(row):
+    """Round-robin rounds for a row's calls: ``RUN_SECONDS`` of them in all, between
+    ``RUN_ROUNDS`` and ``MAX_RUN_ROUNDS`` (a sub-millisecond call's fastest of 10 was up to
+    twice its fastest of 200 on a shared 2-core machine)."""
+    start = time.perf_counter()
+    for fn in row.values():
+        jax.block_until_ready(fn())
+    per_round = time.perf_counter() - start
+    return int(min(MAX_RUN_ROUNDS, max(RUN_ROUNDS, RUN_SECONDS / per_round)))
+
+
 def _compile(loss, args, x64):
     with jax.enable_x64(x64):
         return fresh_compile_time(jax.value_and_grad(loss), *args)
@@ -162,10 +178,11 @@ def main():
     for _ in range(COMPILE_ROUNDS - 1):
         for key, (loss, args, x64, _) in calls.items():
             compile_s[key].append(_compile(loss, args, x64)[0])
-    run_s = run_times_interleaved(
-        {key: (lambda c=compiled, a=args, x=x64: _call(c, a, x))
-         for key, (_, args, x64, compiled) in calls.items()},
-        rounds=RUN_ROUNDS)
+    run_s = {}
+    for name, *_ in CASES:  # (a row's three calls round-robin, as many rounds as fit)
+        row = {key: (lambda c=compiled, a=args, x=x64: _call(c, a, x))
+               for key, (_, args, x64, compiled) in calls.items() if key[0] == name}
+        run_s.update(run_times_interleaved(row, rounds=_rounds(row)))
     rows = []
     for name, peer, *_ in CASES:
         c = {v: min(compile_s[name, v]) for v in ("raise", "ignore", "peer")}
@@ -180,8 +197,9 @@ def main():
         }))
     print_table("jit(value_and_grad) of each benchmark's default call", rows, COLUMNS)
     print(f"\n- compile s: trace + lower + compile from cleared caches, fastest of "
-          f"{COMPILE_ROUNDS} (round-robin over every call); run ms: fastest of {RUN_ROUNDS} "
-          "round-robin calls.")
+          f"{COMPILE_ROUNDS} (round-robin over every call); run ms: fastest of a row's "
+          f"round-robin calls ({RUN_SECONDS:g} s of rounds per row, {RUN_ROUNDS} to "
+          f"{MAX_RUN_ROUNDS} rounds).")
     print("- ours: the default on_failure='raise'; ignore: on_failure='ignore' (no check); "
           "checks' price: raise / ignore - 1 (targets: run +10%, compile +15% at most).")
     print("- ours / peer: the default call against the simplest peer (target: compile 1.2x "
