@@ -676,14 +676,16 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         exact = (ts == s1).astype(dtype)
         inside = ((ts > s) & (ts < s1)).astype(dtype)
         frac = jnp.where(inside > 0, (ts - s) / h, 0.0)
-        # (θ, θ², ...: products, where a power of a float exponent is a call of pow each)
+        # The outputs' cotangents at the step's end, inside it, and weighted by θ, θ², ...
+        # (products: a power of a float exponent is a call of pow each), in one product.
         powers = [inside * frac]
         for _ in range(degree - 1):
             powers.append(powers[-1] * frac)
-        weights = _small.matmul(jnp.stack(powers), gz)
+        g_end, g_inside, *weights = _small.matmul(jnp.stack([exact, inside, *powers]), gz)
+        weights = jnp.stack(weights)
         step, fwd, bwd, dense_only = (mode == m for m in (STEP, SUB_FWD, SUB_BWD, DENSE))
         # An output at the step's end enters once, at the start of the step's trips.
-        lam_z1 = lam_z + _small.matmul(exact * step, gz)
+        lam_z1 = lam_z + step * g_end
         z, cache = _row(buf[3:5], k - 1)
         if explicit:  # (the substeps' start, size and state on SUB_* trips)
             on_sub = fwd | bwd
@@ -753,7 +755,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         plain = step & ~refine  # (a step differentiated as taken)
         take, done = plain | bwd, plain | dense_only
         lam_z = jnp.where(take, dz, jnp.where(dense_only, lam_z + dz, lam_z1))
-        lam_z = lam_z + _small.matmul(inside * done, gz)
+        lam_z = lam_z + done * g_inside
         lam_cache = where(take, dcache, where(dense_only, jax.tree.map(jnp.add, lam_cache,
                                                                         dcache), lam_cache))
         mu_z, mu_cache = where(take, mu_new, (mu_z, mu_cache))
