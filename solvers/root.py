@@ -687,23 +687,23 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
     def step(state):
         x = state.x
         fx, d, fresh, eta, quasi, f_tol = direction(state)
-        f_max = _runner.max_norm(fx)  # NaN if any entry is (also across devices)
+        # (NaN if any entry is, also across devices; one pass over fx, d and x)
+        f_max, step_size, x_max, fnorm = _runner.norms((fx, d, x), (fx,))
         f_ok = jnp.isfinite(f_max)
         # At an exact root the step is zero, whatever the Jacobian there.
         d = jnp.where(f_max == 0, 0.0, d)
-        step_size = _runner.max_norm(d)
+        step_size = jnp.where(f_max == 0, 0.0, step_size)
         d_ok = jnp.isfinite(step_size)
         # Error of x + d: about |d| ρ / (1 - ρ) with ρ = |d| / |d_prev| the contraction
         # rate over two full steps (Hairer & Wanner's estimate for simplified Newton), so
         # a fast-converging iteration stops a step earlier; never more than |d|. Each
         # unknown is judged in its own scale (see _scaled_step).
-        atol_x = _effective_atol(x, rtol, atol, *ops.tol[2:])
+        atol_x = _effective_atol(x, rtol, atol, *ops.tol[2:], x_max=x_max)
         scaled, scale = _scaled_step(x, d, rtol, atol_x)
         rate = scaled / jnp.where(state.full_step > 0, state.full_step, 1.0)
         known = (state.full_step > 0) & (rate < 1)
         relative = scaled * jnp.where(known, jnp.minimum(1.0, rate / (1.0 - rate)), 1.0)
         small = d_ok & (scaled <= 1)  # the step itself is within the tolerance
-        fnorm = _norm(fx)
         first = state.f_start < 0
         f_start = jnp.where(first, fnorm, state.f_start)
         window = jnp.where(first, fnorm, state.f_window)
@@ -801,7 +801,8 @@ def _method(fn, ops, direction, update, init_quasi, line_search, rtol, atol, pro
         # points; a cycle (or a rounding floor) does not.
         eps = jnp.finfo(dtype).eps
         lowest = f_next_norm < jnp.min(window) * (1 - 32 * eps)
-        went = _norm(x_next - x) > jnp.sqrt(eps) * jnp.maximum(_norm(x), _norm(x_next))
+        moved_by, x_norm, x_next_norm = _runner.norms((), (x_next - x, x, x_next))
+        went = moved_by > jnp.sqrt(eps) * jnp.maximum(x_norm, x_next_norm)
         improved = moved & lowest & went
         window = jnp.where(moved, jnp.roll(window, 1).at[0].set(f_next_norm), window)
         if bounded and line_search:  # (a retreat keeps the point it went back to)
@@ -970,7 +971,7 @@ def dogleg_step(g, newton, jac, radius):
                      jnp.where(~newton_ok | (c_norm >= radius), edge, dog))
 
 
-def _effective_atol(x, rtol, atol, size0, x_scale=None):
+def _effective_atol(x, rtol, atol, size0, x_scale=None, x_max=None):
     """``min(atol, rtol max(max|x|, max|x0|))`` (``atol`` where both are 0): the absolute
     tolerance of each unknown, no coarser than ``rtol`` times the unknowns' size (the
     automatic scale of the unknowns, as MINPACK's ``xtol |D x|``). Changes nothing where
@@ -978,7 +979,7 @@ def _effective_atol(x, rtol, atol, size0, x_scale=None):
     sizes, flat like ``x``): ``atol * x_scale``, unknown by unknown."""
     if x_scale is not None:
         return (atol * x_scale).astype(x.dtype)
-    top = jnp.maximum(_runner.max_norm(x), size0)
+    top = jnp.maximum(_runner.max_norm(x) if x_max is None else x_max, size0)
     return jnp.where(top > 0, jnp.minimum(atol, rtol * top), atol).astype(x.dtype)
 
 
@@ -1007,7 +1008,7 @@ def _scaled_step(x, d, rtol, atol):
     an unknown of 1e-7 be 10% off next to one of 1 (and the contraction rate of such an
     unknown's steps hide behind the large unknown's first step)."""
     y = x + d
-    return _runner.max_norm(d / (atol + rtol * jnp.abs(y))), _runner.max_norm(y)
+    return _runner.norms((d / (atol + rtol * jnp.abs(y)), y))
 
 
 def _new_radius(radius, t, d_norm, fnorm, f_new_norm, moved):
