@@ -166,20 +166,13 @@ def max_norm(tree):
 def max_norms(*trees):
     """:func:`max_norm` of each of several trees of the same shapes, as a tuple.
 
-    One-array trees on one device are reduced together, by one variadic reduction (one
-    pass over the arrays, one kernel of a loop's step on CPU, and no stacked copy of them:
-    a DEQ step's two norms read 2 x 32 kB instead of writing and reading a 64 kB stack).
+    One-array trees are reduced together where :func:`norms` can (one pass over the
+    arrays, no stacked copy of them: a DEQ step's two norms read 2 x 32 kB instead of
+    writing and reading a 64 kB stack).
     """
     leaves = [jax.tree.leaves(tree) for tree in trees]
     if all(len(ls) == 1 for ls in leaves):
-        arrays = [ls[0] for ls in leaves]
-        if (len({a.shape for a in arrays}) == 1 and len({a.dtype for a in arrays}) == 1
-                and not any(_sharding.on_several_devices(a) for a in arrays)):
-            zero = jnp.zeros((), arrays[0].dtype)  # (|x| >= 0; NaN propagates through max)
-            return tuple(jax.lax.reduce(
-                tuple(jnp.abs(a) for a in arrays), (zero,) * len(arrays),
-                lambda x, y: tuple(jnp.maximum(a, b) for a, b in zip(x, y)),
-                tuple(range(arrays[0].ndim))))
+        return norms([ls[0] for ls in leaves])
     return tuple(max_norm(tree) for tree in trees)
 
 
