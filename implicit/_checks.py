@@ -13,6 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 ON_FAILURE = ("raise", "nan", "ignore")
 RULES = ("vjp", "jvp")
@@ -403,15 +404,13 @@ def scales(scale, x0, name):
     return out
 
 
-
 def flat_scales(scale, dtype):
     """:func:`scales`' pytree raveled as the solver's unknowns are, in ``dtype``, not
     differentiated (``None`` stays ``None``)."""
     if scale is None:
         return None
-    from jax.flatten_util import ravel_pytree
-
     return jax.lax.stop_gradient(ravel_pytree(scale)[0]).astype(dtype)
+
 
 def _bound(bound, x0, name, default):
     """A box bound as a pytree like ``x0`` (a scalar broadcasts, to the whole of ``x0`` or

@@ -681,8 +681,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         powers = [inside * frac]
         for _ in range(degree - 1):
             powers.append(powers[-1] * frac)
-        g_end, g_inside, *weights = _small.matmul(jnp.stack([exact, inside, *powers]), gz)
-        weights = jnp.stack(weights)
+        g = _small.matmul(jnp.stack([exact, inside, *powers]), gz)
+        g_end, g_inside, weights = g[0], g[1], g[2:]
         step, fwd, bwd, dense_only = (mode == m for m in (STEP, SUB_FWD, SUB_BWD, DENSE))
         # An output at the step's end enters once, at the start of the step's trips.
         lam_z1 = lam_z + step * g_end
