@@ -1,11 +1,13 @@
 """Second derivatives of an ODE loss: ``jax.hessian`` through the default (discrete)
 adjoint against forward sensitivities (``adjoint="forward"``), issue 37's report.
 
-Both are forward over reverse: ``jax.hessian`` is ``jacfwd(jacrev(loss))``. With the
-default adjoint the outer ``jacfwd`` differentiates the backward pass (the adjoint of the
-discrete adjoint); with ``adjoint="forward"`` the gradient itself comes from forward
-sensitivities, so the Hessian is forward over forward (bdf: ``adjoint="forward_adaptive"``,
-its forward mode, whose sensitivities also steer the step size). Problems and tolerances are the ODE
+``jax.hessian`` is ``jacfwd(jacrev(loss))``, forward over reverse. With the default
+adjoint the outer ``jacfwd`` goes through the discrete adjoint's second-order rules (the
+tangent-linear of the forward and backward passes); reverse over reverse
+(``jacrev(jacrev(loss))``, the same rules transposed) is a row of its own; with
+``adjoint="forward"`` the gradient itself comes from forward sensitivities, so the
+Hessian is forward over forward (bdf: ``adjoint="forward_adaptive"``, its forward mode,
+whose sensitivities also steer the step size). Problems and tolerances are the ODE
 suite's (benchmarks/ode.py): Lotka–Volterra (dopri5, rtol = atol = 1e-6, 4 parameters)
 and Robertson to t = 1e5 (kvaerno5 and bdf, rtol 1e-6, atol 1e-10, 3 log rate
 constants). Peers: ``jax.experimental.ode.odeint`` on Lotka–Volterra, whose ``custom_vjp``
@@ -101,6 +103,9 @@ def rows_of(title, problem, method):
     H_ref = _reference_hessian(ref_grad, problem["params"])
     rows = [_row(f"ours {method}, default adjoint",
                  jax.hessian(_ours_loss(problem, method)), problem["params"], H_ref),
+            _row(f"ours {method}, default adjoint, jacrev(jacrev)",
+                 jax.jacrev(jax.jacrev(_ours_loss(problem, method))), problem["params"],
+                 H_ref),
             _row(f"ours {method}, adjoint='{forward}'",
                  jax.hessian(_ours_loss(problem, method, adjoint=forward)),
                  problem["params"], H_ref)]
@@ -129,11 +134,12 @@ def main():
             row.values["compile s"] = min(row.values["compile s"], row.recompile())
     for title, table in tables:
         forward = next(r for r in table if "forward" in r.name)
-        default = next(r for r in table if "default" in r.name)
-        for col in RATIOS:
-            default.values[f"{col}, default / forward"] = default.values[col] / forward.values[col]
+        for default in (r for r in table if "default" in r.name):
+            for col in RATIOS:
+                default.values[f"{col}, default / forward"] = (default.values[col]
+                                                               / forward.values[col])
         has_peer = any(r.group != OURS for r in table)
-        print_table(f"{title}: jax.hessian of the suite's loss", table,
+        print_table(f"{title}: second derivatives of the suite's loss", table,
                     COLUMNS + [f"{c}, default / forward" for c in RATIOS],
                     ratio_columns=RATIOS if has_peer else ())
     for note in (

@@ -2,12 +2,12 @@
 
 Each calls ``jax.test_util.check_grads(..., modes=["rev"], order=2)``: reverse over reverse,
 first and second derivatives in every input (``y0``, ``ts`` and the arguments) against
-finite differences, tolerance 1e-3 in float64, as in JAX's file. Ported with
-``adjoint="backsolve"``, whose backward pass is itself differentiable (as
-``jax.experimental.ode.odeint``'s is): the default discrete adjoint is differentiated
-forwards over reverse (``jax.hessian``) but not reverse over reverse (docs/ode.md). Slow
-(about 45 s: ``check_grads`` runs each transformation eagerly); ``grad(grad)`` with
-``adjoint="backsolve"`` is in the default suite through tests/test_ode.py.
+finite differences, tolerance 1e-3 in float64, as in JAX's file; nothing else changed.
+Run with the default adjoint (the discrete adjoint, differentiated again by its
+second-order rules) and with ``adjoint="backsolve"`` (whose backward pass is itself an
+ODE solve, as ``jax.experimental.ode.odeint``'s is). Slow (about 75 s: ``check_grads``
+runs each transformation eagerly); second derivatives through both adjoints are in the
+default suite (tests/test_ode_forward.py, tests/test_ode.py).
 """
 
 from functools import partial
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 TOL = 1e-3
 
 
-def _odeint(f, y0, ts, *args):
-    return solvers.odeint(f, y0, ts, *args, rtol=1.4e-8, atol=1.4e-8, adjoint="backsolve")
+def _odeint(adjoint, f, y0, ts, *args):
+    return solvers.odeint(f, y0, ts, *args, rtol=1.4e-8, atol=1.4e-8, adjoint=adjoint)
 
 
 def pend(y, _, m, g):
@@ -65,7 +65,9 @@ def _cases():
     }
 
 
+@pytest.mark.parametrize("adjoint", ["discrete", "backsolve"])
 @pytest.mark.parametrize("name", list(_cases()))
-def test_jax_ode_test_second_order_rev(x64, name):
+def test_jax_ode_test_second_order_rev(x64, name, adjoint):
     f, args = _cases()[name]
-    check_grads(partial(_odeint, f), args, modes=["rev"], order=2, atol=TOL, rtol=TOL)
+    check_grads(partial(_odeint, adjoint, f), args, modes=["rev"], order=2, atol=TOL,
+                rtol=TOL)

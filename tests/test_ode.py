@@ -289,8 +289,7 @@ def test_vmap_over_initial_conditions_and_jit(x64):
     np.testing.assert_allclose(grads, np.exp(-1.0) * np.ones(3), rtol=1e-7)
 
 
-@pytest.mark.transforms("odeint", "grad(grad)", option='adjoint="backsolve"')
-def test_grad_of_grad(x64):
+def test_grad_of_grad_through_backsolve(x64):
     # d²/dk² y(2) for y = exp(-k t): 4 exp(-2k).
     def final(k):
         return odeint(decay, 1.0, jnp.array([0.0, 1.0, 2.0]), k, rtol=1e-10, atol=1e-12,

@@ -203,13 +203,55 @@ def test_hessian_through_the_default_adjoint(x64, method):
     q, dq, e = c @ rot @ y0, c @ drot @ y0, np.exp(-a * T)
     exact = T**2 * e * np.array([[q, -dq], [-dq, -q]])
     p = jnp.array([a, b])
-    H = jax.jit(jax.hessian(loss))(p)
+    # And reverse over reverse: the adjoint of the discrete adjoint (its tangent-linear, by
+    # the Hessian's symmetry), the same matrix; for dopri5 with adjoint_window=4 too (the
+    # tangents go through several replayed segments; stages, corrector: the same code).
+    # (One program: the rules' pieces are traced once.)
+    window = dict(adjoint_window=4) if method == "dopri5" else {}
+    H, H_rev = jax.jit(lambda p: (jax.hessian(loss)(p),
+                                  jax.jacrev(jax.jacrev(lambda p: loss(p, **window)))(p)))(p)
     assert rel(H, exact) < 1e-8
     np.testing.assert_allclose(H, H.T, rtol=1e-12, atol=1e-14)
-    if method in ("kvaerno5", "bdf"):  # (stages, corrector: two chord corrections in the
-        return  # backward steps; the replayed segments' tangents: the same code for all)
-    H_window = jax.jit(jax.hessian(lambda p: loss(p, adjoint_window=4)))(p)
-    np.testing.assert_allclose(H_window, H, rtol=1e-12, atol=1e-14)
+    assert rel(H_rev, exact) < 1e-8
+    if window:
+        np.testing.assert_allclose(H_rev, H, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.transforms("odeint", "grad(grad)")
+def test_second_derivatives_in_every_input_through_the_default_adjoint(x64):
+    # y' = -k y + c t: every input differentiated twice, y0, the output times (the first
+    # one too) and the parameters, against the closed form differentiated by JAX as a
+    # formula; jax.hessian (forward over reverse) and reverse over reverse agree with it.
+    def exact_y(y0, t0, t, k, c):
+        e = jnp.exp(-k * (t - t0))
+        return y0 * e + c * ((t - 1 / k) - (t0 - 1 / k) * e) / k
+
+    w = jnp.array([0.3, -1.1, 0.7])
+
+    def loss_of(solve):
+        def loss(p):
+            y0, t0, t1, t2, k, c = p
+            ys = solve(y0, jnp.stack([t0, t1, t2]), k, c)
+            return jnp.dot(w, ys) + 0.5 * jnp.sum(ys**2)
+        return loss
+
+    ours = loss_of(lambda y0, ts, k, c: odeint(lambda y, t, k, c: -k * y + c * t, y0, ts,
+                                                k, c, rtol=1e-10, atol=1e-12))
+    exact = loss_of(lambda y0, ts, k, c: exact_y(y0, ts[0], ts, k, c))
+    p = jnp.array([1.3, 0.2, 0.9, 1.7, 0.8, 0.4])
+    H = jax.hessian(exact)(p)
+    H_fwd, H_rev = jax.jit(lambda p: (jax.hessian(ours)(p), jax.jacrev(jax.jacrev(ours))(p)))(p)
+    assert rel(H_fwd, H) < 1e-8
+    assert rel(H_rev, H) < 1e-8
+
+
+def test_third_derivatives_through_the_default_adjoint_name_the_option(x64):
+    def final(k):
+        return odeint(decay, 1.0, jnp.array([0.0, 1.0]), k)[-1]
+
+    for third in (jax.grad(jax.grad(jax.grad(final))), jax.jacfwd(jax.hessian(final))):
+        with pytest.raises(NotImplementedError, match="adjoint='forward'"):
+            third(0.5)
 
 
 @pytest.mark.slow
@@ -288,11 +330,6 @@ def test_forward_mode_of_a_reverse_adjoint_names_the_option():
     # (Refused while tracing: under jit nothing is compiled first.)
     with pytest.raises(TypeError, match="adjoint='forward'"):
         jax.jit(jax.jacfwd(final))(1.0)
-    # Second order through the default adjoint: forward over reverse (above); reverse over
-    # reverse refused.
-    with pytest.raises(ValueError, match="Reverse-mode differentiation"):
-        jax.jit(jax.grad(jax.grad(
-            lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k)[-1])))(0.5)
     np.testing.assert_allclose(
         jax.jit(jax.hessian(lambda k: odeint(decay, 1.0, jnp.array([0.0, 1.0]), k,
                                              adjoint="forward")[-1]))(0.5),

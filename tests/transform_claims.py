@@ -8,9 +8,8 @@ and applies that transformation (its source calls ``jax.hessian(`` for ``"hessia
 etc.) with that option. A claim no test checks fails the suite.
 
 To change a claim, edit its cell here and mark the test that checks it; for example,
-once ``odeint``'s default adjoint supports reverse over reverse, its ``"grad(grad)"``
-cell becomes ``DEFAULT`` (and a test of it carries
-``@pytest.mark.transforms("odeint", "grad(grad)")``).
+``odeint``'s ``"jvp, jacfwd"`` cell names ``adjoint="forward"``, and a test of it
+carries ``@pytest.mark.transforms("odeint", "jvp, jacfwd", option='adjoint="forward"')``.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ TRANSFORMS = {
     "vmap": ("jax.vmap(",),
     "grad": ("jax.grad(",),
     "jacrev": ("jax.jacrev(",),
-    "grad(grad)": ("jax.grad(jax.grad(",),
+    "grad(grad)": ("jax.grad(jax.grad(", "jax.jacrev(jax.jacrev("),
     "jvp, jacfwd": ("jax.jvp(", "jax.jacfwd("),
     "hessian": ("jax.hessian(",),
 }
@@ -49,9 +48,9 @@ CLAIMS: dict[str, dict[str, str]] = {
     "least_squares": dict(_IMPLICIT),
     "odeint": {
         "jit": DEFAULT, "vmap": DEFAULT, "grad": DEFAULT, "jacrev": DEFAULT,
-        # The default adjoint: second order forward over reverse (hessian), every method;
-        # grad of grad raises (docs/ode.md).
-        "grad(grad)": 'adjoint="backsolve"',
+        # The default adjoint: second order forward over reverse (hessian) and reverse
+        # over reverse, every method; third order raises (docs/ode.md).
+        "grad(grad)": DEFAULT,
         "jvp, jacfwd": 'adjoint="forward"', "hessian": DEFAULT,
     },
     "custom_root, custom_fixed_point": dict(_IMPLICIT),

@@ -31,8 +31,9 @@ Gradients
     pass replays each segment's steps and runs the cotangent back through them (one
     ``jax.vjp`` per step, step sizes held fixed; an implicit method's stage equations by
     the implicit function theorem). Nothing is integrated backwards: stable for any
-    stiffness. Second derivatives forward over reverse (``jax.hessian``) with the
-    explicit methods; reverse over reverse (``grad(grad)``) not.
+    stiffness. Second derivatives with every method, forward over reverse
+    (``jax.hessian``) and reverse over reverse (``grad(grad)``, ``jacrev(jacrev)``);
+    third and higher: ``adjoint="forward"``.
   - ``adjoint="backsolve"``: the continuous adjoint ``a' = -(∂f/∂y)ᵀ a``,
     ``θ̄' = (∂f/∂θ)ᵀ a`` solved backwards with the forward method and the tolerances
     ``adjoint_rtol``/``adjoint_atol`` (default: the forward ones; the parameter

@@ -19,8 +19,13 @@ holds only the outputs, whatever the number of steps.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax.custom_derivatives import SymbolicZero
 
 from implicit import _sharding
 
@@ -129,6 +134,69 @@ def _first_order_only_jvp(primals, tangents):
     raise NotImplementedError(FIRST_ORDER)
 
 
+#: The discrete adjoint's second-order rules (make_solve) are not differentiated again.
+SECOND_ORDER = ("solvers.odeint: the discrete adjoint gives first and second derivatives "
+                "(jax.hessian, grad of grad, jacrev of jacrev); for third and higher "
+                "derivatives pass adjoint='forward' (forward sensitivities, any order)")
+
+
+@jax.custom_jvp
+def _second_order_only(x):
+    return x
+
+
+@_second_order_only.defjvp
+def _second_order_only_jvp(primals, tangents):
+    # The values the second-order rules' linear maps close over: a tangent here is a
+    # third derivative, which lax.custom_linear_solve would drop (its solve's closure is
+    # not differentiated). Refuse it instead.
+    raise NotImplementedError(SECOND_ORDER)
+
+
+def _zero_tangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def _linear(fun, fun_t, t, like):
+    """``fun(t)``, linear in ``t``, shaped like ``like``, whose transpose is ``fun_t``.
+
+    A ``jax.lax.custom_linear_solve`` of the identity whose "solve" is ``fun``: JAX
+    evaluates ``fun`` forwards (``jvp``, ``vmap``) and ``fun_t`` where it transposes
+    (reverse mode), and neither needs to be transposable itself (each may be a
+    forward-mode pass through the solver's loops). ``t`` may hold symbolic zeros (a
+    ``custom_jvp`` rule's, ``symbolic_zeros=True``): only its other leaves are unknowns,
+    with a zero of ``like``'s shape (times them: every unknown must be linear) to make
+    the system square.
+    """
+    is_zero = lambda v: isinstance(v, SymbolicZero)  # noqa: E731
+    leaves, tree = jax.tree.flatten(t, is_leaf=is_zero)
+    live = [not is_zero(v) for v in leaves]
+    if not any(live):
+        return jax.tree.map(jnp.zeros_like, like)
+
+    def whole(lin):
+        lin = iter(lin)
+        return tree.unflatten([next(lin) if k else jnp.zeros(v.shape, v.dtype)
+                               for v, k in zip(leaves, live)])
+
+    lin = [v for v, k in zip(leaves, live) if k]
+    scale = 0 * sum(jnp.sum(v) for v in lin)
+    pad = jax.tree.map(lambda o: scale.astype(o.dtype) * jnp.zeros_like(o), like)
+    # (Each in a jax.jit: under vmap, custom_linear_solve batches both functions once per
+    # round of its fixed point on what is batched, and an inner jaxpr batched the same way
+    # again is JAX's cached one; inlined by XLA.)
+    fun_j = jax.jit(lambda lin: fun(whole(lin)))
+    fun_t_j = jax.jit(lambda c: [v for v, k in zip(tree.flatten_up_to(fun_t(c)), live) if k])
+    return jax.lax.custom_linear_solve(
+        lambda v: v, (lin, pad),
+        solve=lambda _, b: ([jnp.zeros_like(v) for v in b[0]], fun_j(b[0])),
+        transpose_solve=lambda _, c: (fun_t_j(c[1]), jax.tree.map(jnp.zeros_like, c[1])),
+    )[1]
+
+
 def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolve", window=32,
                max_steps=None, progress=None, record=0, event=None, log=0, direction="both",
                slope=None):
@@ -182,12 +250,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_fwd(z0, ts, theta, const, ctl, ev):
         if adjoint == "discrete":
-            # Checkpoints of the loop every `window` accepted steps (or 2x, 4x, ... that
-            # when there are more than NUM_CHECKPOINTS of them), for the replay.
-            checkpoint = (window, NUM_CHECKPOINTS)
-            zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint)
-            res = (zs, ts, theta, const, ctl, ck, stats.num_accepted, stats.status, stats.t)
-            return (zs, stats, *rest), res
+            out, inner = forward(z0, ts, theta, const, ctl, ev)
+            return out, ((z0, ts, theta), (const, ctl, ev), inner)
         # Through `solve`, not `run`: differentiating the residuals (grad of grad) then
         # uses this rule again instead of the stepping loop.
         out = solve(z0, ts, theta, const, ctl, ev)
@@ -308,10 +372,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
     def solve_bwd(res, cotangents):
         if adjoint == "discrete":
-            return (*_discrete_bwd(
-                make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
-                report=report, slope=slope,
-            ), None)
+            x, nondiff, inner = res
+            return *backward(x, cotangents[0], nondiff, inner), None, None, None
         if adjoint == "interpolate":
             return (*_interpolating_bwd(
                 make_stepper, G, res, cotangents[0], window, on_failure=on_failure,
@@ -335,6 +397,119 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         return z0_bar, ts_bar, theta_bar, None, None, None
 
     solve.defvjp(solve_fwd, solve_bwd)
+
+    # --- the discrete adjoint, differentiable twice ---------------------------------
+    #
+    # The forward pass and the backward pass are each a jax.custom_jvp whose tangent is a
+    # linear map with its transpose given (_linear), so that JAX differentiates them
+    # forwards (jax.hessian) and in reverse (grad of grad) without differentiating a loop
+    # in reverse. With x = (z0, ts, θ), the outputs zs(x), J = ∂zs/∂x (the steps held
+    # fixed) and the gradient g(x, ḡ) = Jᵀ ḡ:
+    #   forward:   ẋ ↦ J ẋ, transposed: z̄s ↦ Jᵀ z̄s (the adjoint pass);
+    #   backward:  (ẋ, ḡ̇) ↦ H_ḡ ẋ + Jᵀ ḡ̇, transposed: u ↦ (H_ḡ u, J u), with
+    #              H_ḡ = ∂²(ḡ·zs)/∂x², symmetric;
+    # each a forward-mode pass (the tangent-linear) through the passes recomputed from x
+    # (`tangents`): the residuals' tangents are not used, as a forward pass recomputed in
+    # another program may take other steps (XLA rounds each program its own way), and a
+    # tangent must come from the steps its primal took. The output times' derivatives
+    # come from the flow outside the integration (`flow`).
+
+    checkpoint = (window, NUM_CHECKPOINTS)
+
+    @jax.custom_jvp
+    def forward(z0, ts, theta, const, ctl, ev):
+        zs, stats, rest, ck = run(z0, ts, theta, const, ctl, ev, checkpoint=checkpoint)
+        return (zs, stats, *rest), (zs, ck, stats.num_accepted, stats.status, stats.t)
+
+    def flow(x, const):
+        # The output times' derivatives, to second order, from the flow outside the
+        # integration (whose steps and output times are held): starting from z0 at
+        # t0 + δ0 is starting at t0 from w = z0 - f δ0 + ½(f_y f - f_t) δ0², and the
+        # output at t_k + δ_k is z_k + f δ_k + ½(f_y f + f_t) δ_k² (f: the state's time
+        # derivative, a DAE's slope). The same values; the derivatives the first-order
+        # rule gives for the times (_finish), differentiable again.
+        z0, ts, theta = x
+        held = jax.lax.stop_gradient(ts)
+        d = ts - held
+        f = G if slope is None else slope
+
+        def taylor(z, s, theta, dk, sign):
+            fz = f(z, s, theta, const)
+            df = jax.jvp(lambda z, s: f(z, s, theta, const), (z, s),
+                         (fz, sign * jnp.ones_like(s)))[1]
+            return z + sign * fz * dk + 0.5 * df * dk**2
+
+        def start(z0, d0, theta):
+            return taylor(z0, held[0], theta, d0, -1)
+
+        def shift(zs, d, theta):
+            return jax.vmap(lambda z, s, dk: taylor(z, s, theta, dk, 1))(zs, held, d)
+
+        return held, d, start, shift
+
+    def outputs_and_gradient(x, gz, nondiff, gradient=True):
+        # `forward` and `backward` from x, their derivatives with the output times moved
+        # out of the integration (flow).
+        const, ctl, ev = nondiff
+        held, d, start, shift = flow(x, const)
+        z0, _, theta = x
+        w, start_vjp = jax.vjp(start, z0, d[0], theta)
+        zs, stats, _, ck = run(w, held, theta, const, ctl, ev,
+                               checkpoint=checkpoint if gradient else None)
+        out, shift_vjp = jax.vjp(shift, zs, d, theta)
+        if not gradient:
+            return out
+        gzs, d_bar, theta_bar = shift_vjp(gz)
+        res = (zs, held, theta, const, ctl, ck, stats.num_accepted, stats.status, stats.t)
+        w_bar, _, theta_run = _discrete_bwd(make_stepper, G, res, gzs, window,
+                                            on_failure=on_failure, report=report,
+                                            slope=slope)[:3]
+        z0_bar, d0_bar, theta_start = start_vjp(w_bar)
+        theta_bar = jax.tree.map(lambda *v: sum(v), theta_bar, theta_run, theta_start)
+        return out, (z0_bar, d_bar.at[0].add(d0_bar), theta_bar)
+
+    # Each a jax.jit of a stable function: the backward rule's map and its transpose are
+    # the same one, so JAX traces and batches it once (a jaxpr batched the same way again
+    # is JAX's cached one; the copies compile as before, inlined by XLA).
+
+    @jax.jit
+    def tangent_of_outputs(x, nondiff, t):  # J ẋ
+        return jax.jvp(lambda *x: outputs_and_gradient(x, None, nondiff, False), x, t)[1]
+
+    @jax.jit
+    def tangents(x, gz, nondiff, t):  # (J ẋ, H_ḡ ẋ + Jᵀ ḡ̇)
+        return jax.jvp(lambda x, gz: outputs_and_gradient(x, gz, nondiff), (x, gz), t)[1]
+
+    @functools.partial(forward.defjvp, symbolic_zeros=True)
+    def forward_jvp(primals, tangents_in):
+        out, inner = forward(*primals)
+        x, nondiff = _second_order_only(primals[:3]), primals[3:]
+        inner = jax.lax.stop_gradient(inner)
+        zs_dot = _linear(lambda t: tangent_of_outputs(x, nondiff, t),
+                         lambda c: backward(x, c, nondiff, inner),
+                         tuple(tangents_in[:3]), out[0])
+        zero = jax.tree.map(_zero_tangent, (out[1:], inner))
+        return (out, inner), ((zs_dot, *zero[0]), zero[1])
+
+    @jax.custom_jvp
+    def backward(x, gz, nondiff, inner):
+        const, ctl, _ = nondiff
+        zs, *rest = inner
+        return _discrete_bwd(make_stepper, G, (zs, *x[1:], const, ctl, *rest), gz, window,
+                             on_failure=on_failure, report=report, slope=slope)[:3]
+
+    @functools.partial(backward.defjvp, symbolic_zeros=True)
+    def backward_jvp(primals, tangents_in):
+        x, gz, nondiff, inner = primals
+        g = backward(*primals)
+        x, gz = _second_order_only((x, gz))
+
+        def H_t(u):  # (H_ḡ u, J u)
+            zs_dot, g_dot = tangents(x, gz, nondiff, (u, jnp.zeros_like(gz)))
+            return g_dot, zs_dot
+
+        return g, _linear(lambda t: tangents(x, gz, nondiff, t)[1], H_t,
+                          tuple(tangents_in[:2]), g)
 
     def solve_with_events(z0, ts, theta, const, ctl, ev=((), ())):
         return solve(z0, ts, theta, const, ctl, ev)

@@ -142,9 +142,12 @@ def odeint(
     integrated backwards, so it is stable for any stiffness, and its result does not
     depend on ``adjoint_window`` (memory: 128 checkpoints, whatever ``max_steps``, plus
     ``adjoint_window`` steps; past 128 x ``adjoint_window`` accepted steps the
-    checkpoints thin out and blocks are replayed from further back). ``jax.hessian``
-    (forward over reverse: the steps held fixed) with every method; not ``grad(grad)``
-    (``adjoint="backsolve"``). On linear test
+    checkpoints thin out and blocks are replayed from further back). Second derivatives
+    (the steps held fixed), with every method: ``jax.hessian`` (forward over reverse),
+    ``grad(grad)`` and ``jacrev(jacrev)`` (reverse over reverse), through rules of their
+    own (a second-order adjoint: one forward-mode pass through the forward and adjoint
+    passes); third and higher derivatives raise ``NotImplementedError`` naming
+    ``adjoint="forward"``. On linear test
     problems with eigenvalues from -1 to -1e5 its relative error is within 100x ``rtol``
     (docs/ode.md: the error contract). ``adjoint="backsolve"`` is the continuous adjoint
     with the state integrated backwards (``adjoint_rtol``/``adjoint_atol``, by default
