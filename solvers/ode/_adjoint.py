@@ -24,7 +24,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.custom_derivatives import SymbolicZero
 
 from implicit import _sharding
@@ -115,8 +114,9 @@ def _unflat(flat, like):
 
 
 #: What to do for a second derivative the rule does not give.
-_HIGHER = ("pass adjoint='forward' (forward sensitivities: jax.hessian, jax.jacfwd, jax.jvp "
-           "and grad of grad) or adjoint='backsolve' (reverse mode: grad of grad)")
+_HIGHER = ("use the default adjoint='discrete' (second derivatives: jax.hessian, grad of "
+           "grad), adjoint='forward' (forward sensitivities: jax.hessian, jax.jacfwd, "
+           "jax.jvp and grad of grad, any order) or adjoint='backsolve' (grad of grad)")
 #: The interpolating adjoint's backward pass has no derivative of its own.
 FIRST_ORDER = ("solvers.odeint: the interpolating adjoint gives first derivatives only; "
                f"for higher derivatives {_HIGHER}")
@@ -681,8 +681,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     out to every 2, 4, ... x ``window`` steps and each block of ``window`` steps is replayed
     from the nearest one: up to that spacing in extra replayed steps per block).
     """
-    # (no stop_gradient: forward-over-reverse (jax.hessian) differentiates this pass,
-    # with the forward's steps held fixed: make_solve's run)
+    # (no stop_gradient: make_solve's second-order rules differentiate this pass
+    # forwards, with the forward's steps held fixed: its run)
     zs, ts, theta, const, ctl, ck, n_acc, forward_status, t_last = res
     rtol, atol, _, _, _, budget = ctl
     budget = jnp.asarray(budget, jnp.int32)
@@ -1007,7 +1007,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
     z0_bar, ts_bar, theta_bar = _finish(
         rhs, zs, ts, gz, lam, theta_bar, status, t_fail, on_failure=on_failure, report=report
     )
-    # The pass is differentiated forwards (jax.hessian; grad of grad meets JAX's error for
-    # reverse mode through its loops): the steps' derivatives are exact to second order
-    # (explicit steps; kvaerno5's stages and bdf's corrector by two chord corrections).
+    # The pass is differentiated forwards (make_solve's second-order rules, forwards and,
+    # transposed, in reverse): the steps' derivatives are exact to second order (explicit
+    # steps; kvaerno5's stages and bdf's corrector by two chord corrections).
     return z0_bar, ts_bar, _unflat(theta_bar, theta), None, None

@@ -443,7 +443,7 @@ def _attempt(stepper, ctrl, z, cache, clip_to, t_end, budget, rtol, atol, n_ctrl
     replay both run this, so a replay from a saved carry retakes the same steps.
     ``hold=True``: the step's start, size and end are constants to differentiation (the
     discrete adjoint, whose derivatives hold the steps fixed, is itself differentiated
-    forwards by ``jax.hessian``; nothing else changes).
+    forwards by its second-order rules; nothing else changes).
     """
     dtype = z.dtype
     i32 = jnp.int32
