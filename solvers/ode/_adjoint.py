@@ -122,42 +122,48 @@ FIRST_ORDER = ("solvers.odeint: the interpolating adjoint gives first derivative
                f"for higher derivatives {_HIGHER}")
 
 
-@jax.custom_jvp
-def _first_order_only(out, *dependencies):
-    return out
+def _refusing(message):
+    """The identity ``(out, *dependencies) -> out`` whose derivative raises
+    ``NotImplementedError(message)``: a value that must not be differentiated further,
+    refused where JAX would otherwise differentiate it wrongly or drop the derivative."""
+
+    @jax.custom_jvp
+    def refuse(out, *dependencies):
+        return out
+
+    @refuse.defjvp
+    def refuse_jvp(primals, tangents):
+        raise NotImplementedError(message)
+
+    return refuse
 
 
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-    # Reached by any derivative of the backward pass: reverse (grad of grad) linearises
-    # through this rule too, forward-over-reverse (jax.hessian) calls it directly.
-    raise NotImplementedError(FIRST_ORDER)
-
+#: The interpolating adjoint's backward pass: any derivative of it reaches this (reverse,
+#: grad of grad, linearises through it too; forward over reverse calls it directly).
+_first_order_only = _refusing(FIRST_ORDER)
 
 #: The discrete adjoint's second-order rules (make_solve) are not differentiated again.
 SECOND_ORDER = ("solvers.odeint: the discrete adjoint gives first and second derivatives "
                 "(jax.hessian, grad of grad, jacrev of jacrev); for third and higher "
                 "derivatives pass adjoint='forward' (forward sensitivities, any order)")
+#: The values the second-order rules' linear maps close over: a tangent there is a third
+#: derivative, which lax.custom_linear_solve would drop (its solve's closure is not
+#: differentiated).
+_second_order_only = _refusing(SECOND_ORDER)
 
 
-@jax.custom_jvp
-def _second_order_only(x):
-    return x
+def is_zero(t):
+    """Whether ``t`` is a symbolic zero tangent (a ``custom_jvp`` rule's, with
+    ``symbolic_zeros=True``)."""
+    return isinstance(t, SymbolicZero)
 
 
-@_second_order_only.defjvp
-def _second_order_only_jvp(primals, tangents):
-    # The values the second-order rules' linear maps close over: a tangent here is a
-    # third derivative, which lax.custom_linear_solve would drop (its solve's closure is
-    # not differentiated). Refuse it instead.
-    raise NotImplementedError(SECOND_ORDER)
-
-
-def _zero_tangent(x):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
+def zero_tangent(x):
+    """A zero tangent for the primal ``x`` (float0 for integer and boolean arrays), varying
+    over the ``shard_map`` axes ``x`` varies over (a tangent has its primal's type)."""
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return _sharding.vary_like(jnp.zeros_like(x), x)
+    return _sharding.vary_like(np.zeros(np.shape(x), jax.dtypes.float0), x)
 
 
 def _linear(fun, fun_t, t, like):
@@ -171,7 +177,6 @@ def _linear(fun, fun_t, t, like):
     with a zero of ``like``'s shape (times them: every unknown must be linear) to make
     the system square.
     """
-    is_zero = lambda v: isinstance(v, SymbolicZero)  # noqa: E731
     leaves, tree = jax.tree.flatten(t, is_leaf=is_zero)
     live = [not is_zero(v) for v in leaves]
     if not any(live):
@@ -447,6 +452,12 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
 
         return held, d, start, shift
 
+    def adjoint_pass(zs, ts, theta, nondiff, rest, gz):
+        # The discrete adjoint's gradient (z̄0, t̄s, θ̄) from the forward pass's residuals.
+        const, ctl, _ = nondiff
+        return _discrete_bwd(make_stepper, G, (zs, ts, theta, const, ctl, *rest), gz, window,
+                             on_failure=on_failure, report=report, slope=slope)[:3]
+
     def outputs_and_gradient(x, gz, nondiff, gradient=True):
         # `forward` and `backward` from x, their derivatives with the output times moved
         # out of the integration (flow).
@@ -460,10 +471,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
         if not gradient:
             return out
         gzs, d_bar, theta_bar = shift_vjp(gz)
-        res = (zs, held, theta, const, ctl, ck, stats.num_accepted, stats.status, stats.t)
-        w_bar, _, theta_run = _discrete_bwd(make_stepper, G, res, gzs, window,
-                                            on_failure=on_failure, report=report,
-                                            slope=slope)[:3]
+        w_bar, _, theta_run = adjoint_pass(
+            zs, held, theta, nondiff, (ck, stats.num_accepted, stats.status, stats.t), gzs)
         z0_bar, d0_bar, theta_start = start_vjp(w_bar)
         theta_bar = jax.tree.map(lambda *v: sum(v), theta_bar, theta_run, theta_start)
         return out, (z0_bar, d_bar.at[0].add(d0_bar), theta_bar)
@@ -484,19 +493,16 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     def forward_jvp(primals, tangents_in):
         out, inner = forward(*primals)
         x, nondiff = _second_order_only(primals[:3]), primals[3:]
-        inner = jax.lax.stop_gradient(inner)
         zs_dot = _linear(lambda t: tangent_of_outputs(x, nondiff, t),
                          lambda c: backward(x, c, nondiff, inner),
                          tuple(tangents_in[:3]), out[0])
-        zero = jax.tree.map(_zero_tangent, (out[1:], inner))
+        zero = jax.tree.map(zero_tangent, (out[1:], inner))
         return (out, inner), ((zs_dot, *zero[0]), zero[1])
 
     @jax.custom_jvp
     def backward(x, gz, nondiff, inner):
-        const, ctl, _ = nondiff
         zs, *rest = inner
-        return _discrete_bwd(make_stepper, G, (zs, *x[1:], const, ctl, *rest), gz, window,
-                             on_failure=on_failure, report=report, slope=slope)[:3]
+        return adjoint_pass(zs, *x[1:], nondiff, rest, gz)
 
     @functools.partial(backward.defjvp, symbolic_zeros=True)
     def backward_jvp(primals, tangents_in):

@@ -20,25 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from implicit import _sharding
 from solvers import _status
 from solvers.ode import _adjoint, _integrate
 
 __all__ = ["make_solve"]
-
-
-def _is_zero(t):
-    return isinstance(t, SymbolicZero)
-
-
-def _zero_tangent(x):
-    """A zero tangent for the primal ``x`` (float0 for integer and boolean arrays), varying
-    over the ``shard_map`` axes ``x`` varies over (a tangent has its primal's type)."""
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return _sharding.vary_like(jnp.zeros_like(x), x)
-    return _sharding.vary_like(np.zeros(np.shape(x), jax.dtypes.float0), x)
 
 
 def _join(a, b):
@@ -87,15 +74,15 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
         N = z0.shape[0]
         dtype = z0.dtype
         leaves, treedef = jax.tree.flatten(theta)
-        dleaves = jax.tree.leaves(dtheta, is_leaf=_is_zero)
-        live = [not _is_zero(d) for d in dleaves]
-        use_z0 = not (_is_zero(dz0) and _is_zero(dts))
+        dleaves = jax.tree.leaves(dtheta, is_leaf=_adjoint.is_zero)
+        live = [not _adjoint.is_zero(d) for d in dleaves]
+        use_z0 = not (_adjoint.is_zero(dz0) and _adjoint.is_zero(dts))
         D_z = N if use_z0 else 0
         sizes = [int(np.size(leaf)) if on else 0 for leaf, on in zip(leaves, live)]
         D = D_z + sum(sizes)
         if D == 0:
             zs, stats = solve(z0, ts, theta, const, ctl)
-            return (zs, stats), (jnp.zeros_like(zs), jax.tree.map(_zero_tangent, stats))
+            return (zs, stats), (jnp.zeros_like(zs), jax.tree.map(_adjoint.zero_tangent, stats))
         # Directions: the identity on p = (z0 if used, the live parameter leaves).
         S0 = jnp.zeros((D, N), dtype)
         if use_z0:
@@ -133,13 +120,13 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
             S = Zs[:, N:].reshape(T, D, N)
         parts = []
         if use_z0:
-            parts.append(jnp.zeros((N,), dtype) if _is_zero(dz0) else dz0)
+            parts.append(jnp.zeros((N,), dtype) if _adjoint.is_zero(dz0) else dz0)
         for d, size in zip(dleaves, sizes):
             if size:
                 parts.append(jnp.ravel(d).astype(dtype))
         p_dot = jnp.concatenate(parts)
         dzs = jnp.einsum("tdn,d->tn", S, p_dot, precision=_sharding.EXACT)
-        if not _is_zero(dts):
+        if not _adjoint.is_zero(dts):
             f = jax.vmap(lambda z, t: (G if slope is None else slope)(z, t, theta, const))(
                 zs, ts)
             # An output time that moves moves its output along f; a start that moves
@@ -150,7 +137,7 @@ def make_solve(stepper_of, G, G_ctrl, n_ctrl, *, on_failure="raise", progress=No
         dzs = dzs.at[0].set(parts[0] if use_z0 else jnp.zeros((N,), dtype))
         if on_failure == "nan":
             dzs = jnp.where(stats.status == _integrate.NOT_FAILED, dzs, jnp.nan)
-        return (zs, stats), (dzs, jax.tree.map(_zero_tangent, stats))
+        return (zs, stats), (dzs, jax.tree.map(_adjoint.zero_tangent, stats))
 
     solve.defjvp(solve_jvp, symbolic_zeros=True)
     return solve
