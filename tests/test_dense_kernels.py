@@ -1,7 +1,8 @@
 """The small dense kernels of the stiff methods: ``implicit._lu``'s iteration-matrix
 factors (an explicit inverse up to ``INVERSE_MAX`` unknowns, LU past it; by Gauss–Jordan
 elimination up to ``GAUSS_JORDAN_MAX``) and
-``solvers.ode._small.matmul`` (a fused product below ``FUSED_MAX``, a dot past it).
+``solvers.ode._small.matmul`` (a fused product below ``FUSED_MAX``, a dot past it; under
+``vmap`` the fused product is a sum of scaled rows).
 
 Expected values come from NumPy (float64 solves and products), never from the code under
 test.
@@ -272,3 +273,40 @@ def test_small_matmul_is_differentiable(x64):
     B = np.random.default_rng(1).standard_normal((6, 3))
     g = jax.jit(jax.grad(lambda B: jnp.sum(_small.matmul(A, B) ** 2)))(B)
     np.testing.assert_allclose(np.asarray(g), 2 * A.T @ (A @ B), rtol=1e-13)
+
+
+@pytest.mark.parametrize("batched", ["A", "B", "both"])
+def test_small_matmul_under_vmap(x64, batched):
+    # The batched rule (a sum of k scaled rows, not the reduction XLA:CPU hands to
+    # YNNPACK): the same products, either operand or both batched, and under two vmaps.
+    rng = np.random.default_rng(3)
+    A, B = rng.standard_normal((7, 6, 4)), rng.standard_normal((7, 4, 3))
+    axes = {"A": (0, None), "B": (None, 0), "both": (0, 0)}[batched]
+    a, b = (A if axes[0] == 0 else A[0]), (B if axes[1] == 0 else B[0])
+    out = jax.jit(jax.vmap(_small.matmul, in_axes=axes))(a, b)
+    expected = np.einsum("...ij,...jk->...ik", a, b) if batched == "both" else (
+        np.einsum("bij,jk->bik", a, b) if batched == "A" else np.einsum("ij,bjk->bik", a, b))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-13, atol=1e-13)
+    nested = jax.jit(jax.vmap(jax.vmap(_small.matmul)))(A.reshape(7, 1, 6, 4),
+                                                        B.reshape(7, 1, 4, 3))
+    np.testing.assert_allclose(np.asarray(nested).reshape(7, 6, 3),
+                               np.einsum("bij,bjk->bik", A, B), rtol=1e-13, atol=1e-13)
+
+
+def test_small_matmul_derivatives_under_vmap_and_broadcast_axes(x64):
+    # jvp, grad and the Hessian-vector product (jacfwd of grad, vmapped over the basis) of
+    # a batched product, with a leading axis of A broadcast against B's.
+    rng = np.random.default_rng(4)
+    A, B = rng.standard_normal((1, 5, 6)), rng.standard_normal((3, 6, 2))
+    np.testing.assert_allclose(np.asarray(jax.jit(_small.matmul)(A, B)), A @ B, rtol=1e-13)
+    loss = lambda B: jnp.sum(jnp.sin(jax.vmap(lambda b: _small.matmul(A[0], b))(B)))  # noqa: E731
+    g = jax.jit(jax.grad(loss))(B)
+    np.testing.assert_allclose(np.asarray(g), np.einsum("ij,bik->bjk", A[0], np.cos(A[0] @ B)),
+                               rtol=1e-12)
+    V = rng.standard_normal(B.shape)
+    _, t = jax.jit(lambda B, V: jax.jvp(loss, (B,), (V,)))(B, V)
+    np.testing.assert_allclose(float(t), np.sum(np.cos(A[0] @ B) * (A[0] @ V)), rtol=1e-12)
+    H = jax.jit(jax.hessian(loss))(B).reshape(B.size, B.size)
+    hv = H @ V.ravel()
+    expected = np.einsum("ij,bik->bjk", A[0], -np.sin(A[0] @ B) * (A[0] @ V)).ravel()
+    np.testing.assert_allclose(hv, expected, rtol=1e-11, atol=1e-12)

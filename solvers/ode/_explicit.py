@@ -60,8 +60,8 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
     num = z1_bar.shape[0]
     # The cotangents of the stage derivatives, (rows, stages, N).
     kappa = h * (jnp.asarray(tab.b, dtype)[None, :, None] * z1_bar[:, None, :])
-    kappa = kappa + h * jnp.sum(jnp.asarray(tab.dense, dtype)[None, :, :, None]
-                                * dense_bar[:, None, :, :], axis=2)
+    # (the continuous extension's weights, (stages, degree), times each row's D̄)
+    kappa = kappa + h * _small.matmul(jnp.asarray(tab.dense, dtype)[None], dense_bar)
     kappa = kappa.at[:, :, :n_ctrl].add(
         h * jnp.asarray(tab.b_error, dtype)[None, :, None] * err_bar[:, None, :])
     kappa = kappa.at[:, -1].add(k1_bar)
