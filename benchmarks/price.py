@@ -35,6 +35,7 @@ RUN_ROUNDS = 10  # the fewest; as many more as RUN_SECONDS allows, up to MAX_RUN
 MAX_RUN_ROUNDS = 300
 RUN_SECONDS = 3.0
 NODE_BATCH = 128  # issue 35's neural ODE row (the neural ODE suite's own rows use 512)
+ENSEMBLE = 256  # the vmapped Lotka–Volterra row's parameter sets
 COLUMNS = ["compile s", "compile s, ignore", "peer compile s", "compile ours / peer",
            "checks' compile price", "run ms", "run ms, ignore", "peer run ms",
            "run ours / peer", "checks' run price"]
@@ -127,10 +128,26 @@ def lbfgs():
             of(minimize.optimistix_bfgs()), (log_lam,))
 
 
+def lotka_volterra_ensemble():
+    """The Lotka–Volterra row's loss averaged over ``ENSEMBLE`` parameter sets (5% log-normal
+    spread), each solved by its own vmapped ``odeint`` call: what fitting a population
+    computes."""
+    ours_raise, ours_ignore, peer, _ = lotka_volterra()
+
+    def of(loss):
+        return lambda P: jnp.mean(jax.vmap(loss)(P))
+
+    spread = np.random.default_rng(0).normal(0.0, 0.05, (ENSEMBLE, len(ode.LV_PARAMS)))
+    return of(ours_raise), of(ours_ignore), of(peer), (
+        jnp.asarray(ode.LV_PARAMS * np.exp(spread)),)
+
+
 #: (row, simplest peer, problem builder, float64) in issue 35's order; float32 rows as in
 #: their own suites.
 CASES = [
     ("Lotka–Volterra, dopri5", "jax.experimental.ode.odeint", lotka_volterra, True),
+    (f"Lotka–Volterra ensemble, vmap over {ENSEMBLE} parameter sets, dopri5",
+     "jax.experimental.ode.odeint", lotka_volterra_ensemble, True),
     (f"neural ODE, MLP, batch {NODE_BATCH}, dopri5", "jax.experimental.ode.odeint", neural,
      False),
     ("DEQ n=128, B=64 (defaults: iterate, linear_solver='auto')",
