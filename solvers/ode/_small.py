@@ -15,8 +15,8 @@ took 100 ms against 16 ms, their gradients 2.5 s against 0.71 s, 64 vmapped Robe
 solves with bdf 76 against 30 ms. Unbatched, the rows' sum is the slower one (Robertson's
 bdf gradient: 326 against 357 kernels, 25% more run time), so the batched form is
 :func:`matmul`'s ``vmap`` rule alone (``jax.custom_batching.custom_vmap``; its derivatives
-are the plain product's): unbatched programs are as before (``jax.hessian``, a ``vmap``
-over the basis, takes the rows' sum: Lotka–Volterra's 537 -> 544 kernels).
+are the plain product's): unbatched programs are as before, and so are small batches
+(``jax.hessian``'s ``vmap`` over the basis).
 """
 
 from __future__ import annotations
@@ -55,10 +55,13 @@ def _fused(A, B):
 @_fused.def_vmap
 def _fused_batched(axis_size, in_batched, A, B):
     """``Σ_j A[:, j] B[j]``, batched: ``k - 1`` elementwise additions (see the module
-    docstring)."""
-    del axis_size
+    docstring); a batch of at most ``FUSED_MAX`` products in all (``jax.hessian``'s basis)
+    as unbatched."""
     A = A if in_batched[0] else A[None]
     B = B if in_batched[1] else B[None]
+    batch = math.prod(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]))
+    if max(batch, axis_size) * A.shape[-2] * A.shape[-1] * B.shape[-1] <= FUSED_MAX:
+        return _summed(A, B), True
     out = A[..., :, 0, None] * B[..., None, 0, :]
     for j in range(1, A.shape[-1]):
         out = out + A[..., :, j, None] * B[..., None, j, :]
