@@ -891,11 +891,11 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
                     tab, rhs, s, z, h, ks, theta, rows, n, theta_rows=len(rows[0]) - 1)
                 return dz, dcache, dtheta, None
         else:
-            (z1, cache1, _, _), vjp = jax.vjp(
+            (z1, cache1, _, _), vjp_one = jax.vjp(
                 lambda z, c, th, e: step_fn(z, c, th, e, s, h, ks), z, cache, theta,
                 zero_z if estimate else None,
             )
-            vjp = jax.vmap(vjp)
+            vjp = jax.vmap(vjp_one)
         # Row 0: the cotangent (the continuous extension's weights alone on a DENSE
         # trip). Row 1 (unless on_failure='ignore': nothing would report it): the
         # gradient's error estimate, the derivative of Σ λ_ε·e_n (the local error
@@ -913,9 +913,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         if estimate:
             if explicit:  # (eps is added to z1 alone: its cotangent is z1's)
                 lam_eps = row0[0]
-            else:
-                _, vjp_eps = jax.vjp(lambda e: step_fn(z, cache, theta, e, s, h, ks), zero_z)
-                (lam_eps,) = vjp_eps(row0)
+            else:  # (row 0's cotangent of eps, from the step's one linearisation)
+                lam_eps = vjp_one(row0)[3]
             rows.append((mu_z, mu_cache, zero_w, jnp.where(step, lam_eps, zero_z)))
         if explicit:
             rows.append((zero_z, zero_c, zero_w, lam_z1))
