@@ -740,7 +740,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         gradient is the exact derivative of the replayed steps. ``ok``: the block was
         replayed to its end (its time within R steps, or its count; for a method whose
         cache is its history, the forward's number of steps). ``active``: False for an
-        element whose blocks are done (under vmap), which replays nothing."""
+        element whose blocks are done (under vmap), which replays nothing (count 0)."""
         first = blk * W
         slot = _integrate.div(first, spacing)
         packed, z, cache = jax.tree.map(lambda b: b[slot], bufs)
@@ -786,7 +786,7 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         same = count == target - first
         ok = jnp.where(land, (ctrl.s == t_land) & (count <= R) & (same | (not stepper.history)),
                        same)
-        return ok, jnp.minimum(count, R), buf
+        return ok, jnp.where(active, jnp.minimum(count, R), 0), buf
 
     explicit = stepper.diff_step is None
     if explicit:
@@ -962,9 +962,8 @@ def _discrete_bwd(make_stepper, G, res, gz, window, *, on_failure, report, slope
         # for them. (Replayed from a slot of no block, their garbage steps went back
         # through refined substeps: 1,152 backward trips for 64 vmapped Lotka–Volterra
         # gradients whose own steps are 71 to 99.)
-        active = c >= 0
-        ok, count, buf = replay(c, active)
-        adj = back_steps(jnp.where(active, count, 0), buf, adj)
+        ok, count, buf = replay(c, c >= 0)
+        adj = back_steps(count, buf, adj)
         lam_z, theta_bar = adj[0], adj[2]
         # The replay did not reach the block's end (never expected), or the cotangent
         # became NaN or inf (f's derivative is not finite there): fail, never a number.

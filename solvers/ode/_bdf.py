@@ -389,11 +389,11 @@ def bdf_stepper(rhs, n_ctrl, *, rtol, atol, structure=None, mass=None):
         # over y7's 1/9000 gives 5e-13, 1e-3 of the tolerance's scale, at any step size:
         # Newton "diverged" on it down to a step underflow at t = 0.142).
         if structure is None:
-            noise = rms(c * eps * Jy, scale)
+            noise, cap = rms(c * eps * Jy, scale), NOISE_FLOOR_MAX
             if mass is not None:
                 noise = jnp.maximum(noise, rms(solve(lu, c * eps * Jy), scale))
-            floor = jnp.minimum(NOISE_FLOOR_MAX if mass is None else NOISE_FLOOR_MAX_DAE,
-                                10 * noise)
+                cap = NOISE_FLOOR_MAX_DAE
+            floor = jnp.minimum(cap, 10 * noise)
         else:
             floor = jnp.zeros((), dtype)
         n_iter, u_new, d_u, conv = newton(lu, floor)

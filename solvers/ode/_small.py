@@ -36,6 +36,13 @@ __all__ = ["matmul", "FUSED_MAX"]
 FUSED_MAX = 2304  # 6 x 6 x 64
 
 
+def _count(A, B):
+    """How many products ``A @ B`` takes, ``(..., m, k) @ (..., k, N)``, leading axes
+    broadcast."""
+    batch = math.prod(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]))
+    return batch * A.shape[-2] * A.shape[-1] * B.shape[-1]
+
+
 def _products(A, B):
     """``A[..., i, j] B[..., j, n]`` for every ``i, j, n``: ``A @ B`` before summing over
     ``j``."""
@@ -57,10 +64,10 @@ def _fused_batched(axis_size, in_batched, A, B):
     """``Σ_j A[:, j] B[j]``, batched: ``k - 1`` elementwise additions (see the module
     docstring); a batch of at most ``FUSED_MAX`` products in all (``jax.hessian``'s basis)
     as unbatched."""
+    del axis_size  # (the batched operand's leading axis)
     A = A if in_batched[0] else A[None]
     B = B if in_batched[1] else B[None]
-    batch = math.prod(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]))
-    if max(batch, axis_size) * A.shape[-2] * A.shape[-1] * B.shape[-1] <= FUSED_MAX:
+    if _count(A, B) <= FUSED_MAX:
         return _summed(A, B), True
     out = A[..., :, 0, None] * B[..., None, 0, :]
     for j in range(1, A.shape[-1]):
@@ -98,7 +105,6 @@ def matmul(A, B):
         return matmul(A[None], B)[..., 0, :]
     if B.ndim == 1:
         return matmul(A, B[:, None])[..., 0]
-    batch = math.prod(np.broadcast_shapes(A.shape[:-2], B.shape[:-2]))
-    if batch * A.shape[-2] * A.shape[-1] * B.shape[-1] <= FUSED_MAX:
+    if _count(A, B) <= FUSED_MAX:
         return _product(A, B)
     return _sharding.matmul(A, B)  # (full precision: see _sharding.EXACT)
