@@ -123,6 +123,40 @@ def test_every_adjoint(x64, adjoint):
                                rtol=1e-6)
 
 
+@pytest.mark.transforms("odeint", "hessian")
+@pytest.mark.parametrize(
+    "method", ["dopri5", pytest.param("kvaerno5", marks=pytest.mark.slow),
+               pytest.param("bdf", marks=pytest.mark.slow)]
+)
+def test_second_derivatives_of_the_event_time_state_and_rows(x64, method):
+    """jax.hessian (forward over reverse) of the event time, the state there and a row
+    before it, and jacrev of grad (reverse over reverse) of the event time, in the start,
+    the rate and the threshold (closed over by the event function): closed forms of
+    ``y0 exp(-k t)`` falling to ``c``, ``t_e = log(y0 / c) / k``."""
+    y0, k, c = 2.0, 0.7, 0.3
+    ts = jnp.array([0.0, 1.0, 2.0, 5.0])
+
+    def outputs(p):
+        y0, k, c = p
+        ys, info = odeint(decay, y0, ts, k, 0.0, event=lambda y, t, k, _: y - c,
+                          method=method, rtol=1e-9, atol=1e-12, full_output=True)
+        return jnp.stack([info.event_time, ys[1], info.event_state])
+
+    p = jnp.array([y0, k, c])
+    hessian = np.asarray(jax.jit(jax.hessian(outputs))(p))
+    rev_rev = np.asarray(jax.jit(jax.jacrev(jax.grad(lambda p: outputs(p)[0])))(p))
+    L, e = np.log(y0 / c), np.exp(-k)
+    expected = np.array([
+        [[-1 / (k * y0**2), -1 / (k**2 * y0), 0.0],  # t_e
+         [-1 / (k**2 * y0), 2 * L / k**3, 1 / (k**2 * c)],
+         [0.0, 1 / (k**2 * c), 1 / (k * c**2)]],
+        [[0.0, -e, 0.0], [-e, y0 * e, 0.0], [0.0, 0.0, 0.0]],  # y(1) = y0 exp(-k)
+        np.zeros((3, 3)),  # y(t_e) = c
+    ])
+    for got in (hessian, rev_rev[None]):
+        np.testing.assert_allclose(got, expected[: len(got)], rtol=1e-6, atol=1e-7)
+
+
 # --- a falling body -----------------------------------------------------------------------
 
 

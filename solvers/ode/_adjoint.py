@@ -520,6 +520,8 @@ def make_solve(make_stepper, G, n_ctrl, *, on_failure, report, adjoint="backsolv
     def solve_with_events(z0, ts, theta, const, ctl, ev=((), ())):
         return solve(z0, ts, theta, const, ctl, ev)
 
+    # (a terminal event's rule goes through these: _events.make_event_solve)
+    solve_with_events.rule = (solve_fwd, solve_bwd)
     return solve_with_events
 
 

@@ -7,20 +7,24 @@ continuous extension (refined on a step of the method itself where the method ha
 :attr:`~solvers.ode._integrate.Stepper.restep`: kvaerno5). Rows of the output past the
 event hold the state there; the backward pass below linearises at that time and state.
 
-The gradient (a ``jax.custom_vjp``) comes from the implicit function theorem on
+The derivatives (a ``jax.custom_vjp``) come from the implicit function theorem on
 ``g(y(t_e; θ), t_e, θ) = 0``:
 
     dt_e/dθ = -(g_y · ∂y(t_e)/∂θ + g_θ) / D,    D = g_y · f(y_e, t_e) + g_t,
 
 and the state there moves with the end time, ``dy_e/dθ = ∂y(t_e)/∂θ + f(y_e, t_e)
-dt_e/dθ``. With cotangents ``ȳ`` on the state at the event (the event state and every
-output row past it) and ``t̄`` on the event time, the loss sees ``∂y(t_e)/∂θ`` through
-the cotangent ``ȳ - w g_y`` and ``g_θ`` through ``-w``, ``w = (ȳ · f + t̄) / D``. The
-backward pass therefore re-integrates, with the ordinary differentiable solve (any
-adjoint), from ``ts[0]`` to the (fixed) event time on a grid of the same length as
-``ts``: the output times before the event, then points spread up to ``t_e`` exactly (the
-rows past the event; their cotangents are zero but the last one's), and hands it those
-cotangents. The forward pass without a gradient costs one integration only.
+dt_e/dθ``. The rule's forward function integrates once more, with the ordinary
+differentiable solve's own rule (any adjoint), from ``ts[0]`` to the (held) event time
+``t*`` on a grid of the same length as ``ts``: the output times before the event, then
+points spread up to ``t*`` exactly. From that solve's last row ``y* = y(t*)`` the event
+is written as ``t_e = t* + δ``, ``δ`` the root of ``g(Y(δ), t* + δ) = 0`` with ``Y(δ) =
+y* + f δ + ½ (f_y f + f_t) δ²`` (the flow from ``t*``, exact to second order): zero at
+the crossing found, its derivatives the implicit function theorem's, at any order. The
+outputs' derivatives are those of this composition (their values stay the event
+integration's), and the backward function is its reverse: both are differentiable again
+wherever the solve's rule is (the discrete adjoint: ``jax.hessian``, grad of grad), and
+``t*``, which the composition's derivatives do not depend on, is not differentiated. The
+forward pass without a gradient costs one integration only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from implicit import _sharding
 from solvers.ode import _integrate
 
 __all__ = ["make_event_solve", "DIRECTIONS", "event_grid"]
@@ -52,6 +55,39 @@ def event_grid(ts, t_e):
     return k, jnp.where(i <= k, ts, spread)
 
 
+@jax.custom_jvp
+def _with_derivative(value, carrier):
+    """``value``, whose derivative is ``carrier``'s (where nothing differentiates it, the
+    carrier is not computed)."""
+    return value
+
+
+@_with_derivative.defjvp
+def _with_derivative_jvp(primals, tangents):
+    return primals[0], tangents[1]
+
+
+def _root_at_zero(h, ok, d0, p, aux):
+    """``d0`` (a zero scalar), the root of ``h(δ, p, aux) = 0`` where ``h(d0, p, aux) =
+    0``, with the implicit function theorem's derivatives in ``p``, any order: ``δ' = -h_p
+    ṗ / h_δ`` at ``(δ(p), p)`` (``aux``: not differentiated; ``h`` closes over no traced
+    value). Where ``ok`` is False, zero with zero derivatives."""
+
+    @jax.custom_jvp
+    def root(d0, ok, p, aux):
+        return d0
+
+    @root.defjvp
+    def root_jvp(primals, tangents):
+        d0, ok, p, aux = primals
+        d = root(*primals)  # (zero, with its derivatives: those of the rule's own terms)
+        _, h_p = jax.jvp(lambda p: h(d, p, aux), (p,), (tangents[2],))
+        _, h_d = jax.jvp(lambda d: h(d, p, aux), (d,), (jnp.ones_like(d),))
+        return d, jnp.where(ok, -h_p / jnp.where(ok, h_d, 1), 0)
+
+    return root(jax.lax.stop_gradient(d0), ok, p, aux)
+
+
 def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope=None):
     """A differentiable ``event_solve(z0, ts, theta, const, ev_theta, ev_const, ctl)``
     returning ``(zs, Stats, EventResult)``.
@@ -59,12 +95,15 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope
     ``G(u, s, theta, const)``: the right-hand side; ``E(u, s, theta, const, ev_theta,
     ev_const) -> (E,)``: the raveled event values (``ev_theta``: the floating arrays the
     event function closes over, differentiated); ``solve``: the differentiable solve
-    (:func:`solvers.ode._adjoint.make_solve`), used by the backward
-    pass; ``ctl`` as there. With ``record=B`` the :class:`~solvers.ode._integrate.Record`
+    (:func:`solvers.ode._adjoint.make_solve`), whose own rule (``solve.rule``, its
+    ``jax.custom_vjp``'s forward and backward functions) the derivatives go through;
+    ``ctl`` as there. With ``record=B`` the :class:`~solvers.ode._integrate.Record`
     of the last ``B`` accepted steps follows (dense output; not differentiated: its
     cotangent is dropped). ``slope(u, s, theta, const)``: the state's time derivative where
     it is not ``G`` (a DAE's consistent slope), for the event time's derivative.
     """
+    solve_fwd, solve_bwd = solve.rule
+    f = G if slope is None else slope
 
     def run(z0, ts, theta, const, ev_theta, ev_const, ctl):
         rtol, atol, _, _, h0, budget = ctl
@@ -81,56 +120,75 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope
             record=record,
         )
 
+    def grid(ts, result):
+        # (the grid's points past the event are held: only its last row, at t*, is used)
+        k, tau = event_grid(jax.lax.stop_gradient(ts), result.t)
+        i = jnp.arange(ts.shape[0])
+        return i <= k, jnp.where(i <= k, ts, tau)
+
+    def at_event(ys, theta, ev_theta, const, ev_const, result, before):
+        """``(zs, t_e, z_e)`` from the grid solve's outputs ``ys``, as carriers of their
+        derivatives (to second order; their values are zero where no event fired):
+        ``t_e = t* + δ``, ``z_e = Y(δ)``, with ``Y(δ) = y* + f δ + ½ (f_y f + f_t) δ²``
+        the flow from the grid's last row ``y* = y(t*)`` and ``δ`` the root of
+        ``g(Y(δ), t* + δ) = 0``: zero at the crossing found, its derivatives the implicit
+        function theorem's (:func:`_root_at_zero`)."""
+        fired = jnp.isfinite(result.t)
+        t_star = jnp.where(fired, result.t, 0)
+        index = jnp.maximum(result.index, 0)
+
+        def flow(d, p, aux):
+            (y, theta, _), (t_star, _, const, _) = p, aux
+            fz = f(y, t_star, theta, const)
+            dfz = jax.jvp(lambda z, s: f(z, s, theta, const), (y, t_star),
+                          (fz, jnp.ones_like(t_star)))[1]
+            return y + fz * d + 0.5 * dfz * d**2
+
+        def h(d, p, aux):
+            (_, theta, ev_theta), (t_star, index, const, ev_const) = p, aux
+            g = E(flow(d, p, aux), t_star + d, theta, const, ev_theta, ev_const)
+            return g[index]
+
+        p, aux = (ys[-1], theta, ev_theta), (t_star, index, const, ev_const)
+        d = _root_at_zero(h, fired, jnp.zeros_like(t_star), p, aux)
+        t_e = jnp.where(fired, t_star + d, 0)
+        z_e = jnp.where(fired, flow(d, p, aux), 0)
+        zs = jnp.where(before[:, None] | ~fired, ys, z_e)
+        return zs, t_e, z_e
+
     @jax.custom_vjp
     def event_solve(z0, ts, theta, const, ev_theta, ev_const, ctl):
         return run(z0, ts, theta, const, ev_theta, ev_const, ctl)
 
     def fwd(z0, ts, theta, const, ev_theta, ev_const, ctl):
-        out = run(z0, ts, theta, const, ev_theta, ev_const, ctl)
-        res = (z0, ts, theta, const, ev_theta, ev_const, ctl, out[2])
-        return out, res
+        # The integration with the event finds t* (not differentiated: a second derivative
+        # differentiates this function, and t* enters only where its derivative is δ's);
+        # the grid solve to t* (through the solve's own rule, forwards: differentiable
+        # forwards and in reverse) and `at_event` give the derivatives. The values stay
+        # the event integration's.
+        sg = jax.lax.stop_gradient
+        out = run(sg(z0), sg(ts), sg(theta), const, sg(ev_theta), ev_const, ctl)
+        zs, _, result = out[:3]
+        before, tau = grid(ts, result)
+        grid_out, grid_res = solve_fwd(z0, tau, theta, const, ctl, ((), ()))
+        ys = grid_out[0]
+        zs_d, t_d, z_d = at_event(ys, theta, ev_theta, const, ev_const, result, before)
+        zs = _with_derivative(zs, zs_d)
+        result = result._replace(t=_with_derivative(result.t, t_d),
+                                 z=_with_derivative(result.z, z_d))
+        res = (grid_res, ys, theta, ev_theta, const, ev_const, sg(result), before)
+        return (zs, out[1], result, *out[3:]), res
 
     def bwd(res, cotangents):
-        z0, ts, theta, const, ev_theta, ev_const, ctl, result = res
+        grid_res, ys, theta, ev_theta, const, ev_const, result, before = res
         gzs, _, ev_ct = cotangents[:3]
-        t_bar, z_bar = ev_ct.t, ev_ct.z
-        dtype = z0.dtype
-        T = ts.shape[0]
-        fired = jnp.isfinite(result.t)
-        k, tau = event_grid(ts, result.t)
-        i = jnp.arange(T)
-        after = ((i > k) & fired)[:, None]
-        # The cotangent of the state at the event: its own and every row past it.
-        y_bar = jnp.where(fired, z_bar + jnp.sum(jnp.where(after, gzs, 0), axis=0), 0)
-        y_bar = jnp.where(jnp.isfinite(y_bar), y_bar, 0)  # (no event: NaN state, unused)
-        t_bar = jnp.where(fired, t_bar, 0)
-        te = jnp.where(fired, result.t, ts[-1])
-        ze = jnp.where(fired, result.z, z0)
-        index = jnp.maximum(result.index, 0)
-
-        def g(u, s, theta, ev_theta):
-            return E(u, s, theta, const, ev_theta, ev_const)[index]
-
-        f_e = (G if slope is None else slope)(ze, te, theta, const)  # (y' at the event)
-        g_e, g_vjp = jax.vjp(g, ze, te, theta, ev_theta)
-        # (shard_map: the cotangent has the type of the event value)
-        g_y, g_t, g_th, g_evth = g_vjp(_sharding.vary_like(jnp.ones((), dtype), g_e))
-        rep = _sharding.replicated(g_y, f_e)  # (a whole sharded state: an all-reduce)
-        D = _sharding.matmul(g_y, f_e, out_sharding=rep) + g_t
-        w = _sharding.matmul(y_bar, f_e, out_sharding=rep)
-        w = jnp.where(fired, (w + t_bar) / jnp.where(fired, D, 1), 0)
-        cot = jnp.where(after, 0, gzs)
-        cot = cot.at[T - 1].set(jnp.where(fired, y_bar - w * g_y, gzs[T - 1]))
-
-        def diff(z0, tau, theta):
-            return solve(z0, tau, theta, const, ctl)[0]
-
-        _, vjp = jax.vjp(diff, z0, jax.lax.stop_gradient(tau), theta)
-        z0_bar, tau_bar, theta_bar = vjp(cot)
-        # The event time's dependence on θ is the IFT term (w), not the grid's end.
-        ts_bar = jnp.where(i <= k, tau_bar, 0)
-        theta_bar = jax.tree.map(lambda a, b: a - w * b, theta_bar, g_th)
-        ev_theta_bar = jax.tree.map(lambda b: -w * b, g_evth)
+        _, vjp = jax.vjp(
+            lambda ys, theta, ev_theta: at_event(ys, theta, ev_theta, const, ev_const,
+                                                 result, before), ys, theta, ev_theta)
+        ys_bar, theta_bar, ev_theta_bar = vjp((gzs, ev_ct.t, ev_ct.z))
+        z0_bar, tau_bar, theta_run = solve_bwd(grid_res, (ys_bar,))[:3]
+        ts_bar = jnp.where(before, tau_bar, 0)
+        theta_bar = jax.tree.map(jnp.add, theta_bar, theta_run)
         # A non-finite event value failed the forward pass: NaN gradients, never numbers.
         grads = (z0_bar, ts_bar, theta_bar, ev_theta_bar)
         z0_bar, ts_bar, theta_bar, ev_theta_bar = jax.tree.map(
@@ -140,4 +198,3 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope
 
     event_solve.defvjp(fwd, bwd)
     return event_solve
-

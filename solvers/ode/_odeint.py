@@ -189,10 +189,12 @@ def odeint(
     the rows of ``ys`` for output times past it hold the state there.
     ``info.event_time``, ``info.event_state`` and ``info.event_index`` say where
     (``inf``, NaN and -1 when no event fired: an ordinary result). The event time and
-    state are differentiable (first order, any ``adjoint``): by the implicit function
-    theorem on ``g(y(t_e), t_e) = 0``, ``dt_e/dθ = -(g_y·∂y(t_e)/∂θ + g_θ) / (g_y·f + g_t)``,
-    with ``∂y(t_e)/∂θ`` from one more integration, to the event time, and its adjoint
-    (a crossing where ``g`` is tangent, ``g_y·f + g_t = 0``, has no derivative). A
+    state are differentiable (first order with any ``adjoint``; second order, as
+    ``jax.hessian``, where the adjoint gives second derivatives: the default): by the
+    implicit function theorem on ``g(y(t_e), t_e) = 0``, ``dt_e/dθ = -(g_y·∂y(t_e)/∂θ +
+    g_θ) / (g_y·f + g_t)``, with ``∂y(t_e)/∂θ`` from one more integration, to the event
+    time, and its adjoint (a crossing where ``g`` is tangent, ``g_y·f + g_t = 0``, has no
+    derivative). A
     component that starts exactly at zero does not count as crossing until it leaves
     zero and comes back: restarting from an event state, pass ``event_direction`` so that
     the round-off side of zero does not fire at once. With ``event_terminal=False`` the
