@@ -30,12 +30,20 @@ def erk_step(tab, rhs, s, z, k0, h, n_ctrl):
 
     def stage(i, ks):
         ui = u + h * _small.matmul(a[i], ks[:, :n_ctrl])
-        return ks.at[i].set(rhs(ui, s + c[i] * h))
+        return jax.lax.dynamic_update_index_in_dim(ks, rhs(ui, s + c[i] * h), i, 0)
 
     ks = jax.lax.fori_loop(1, stages, stage, ks)
     z1 = z + h * _small.matmul(jnp.asarray(tab.b, dtype), ks)
     err = h * _small.matmul(jnp.asarray(tab.b_error, dtype), ks[:, :n_ctrl])
     return z1, ks[-1], err, ks
+
+
+def _ctrl(v, like):
+    """``v`` (its last axis: the controlled components) padded with zeros to ``like``'s
+    last axis: an add of it is elementwise, where ``.at[..., :n].add`` is a scatter (a
+    kernel of its own in every loop trip)."""
+    pad = like.shape[-1] - v.shape[-1]
+    return v if pad == 0 else jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
 
 
 #: The most parameters whose cotangents :func:`erk_vjp` sums as one vector in its stage
@@ -71,9 +79,9 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
     kappa = h * (jnp.asarray(tab.b, dtype)[None, :, None] * z1_bar[:, None, :])
     # (the continuous extension's weights, (stages, degree), times each row's D̄)
     kappa = kappa + h * _small.matmul(jnp.asarray(tab.dense, dtype)[None], dense_bar)
-    kappa = kappa.at[:, :, :n_ctrl].add(
-        h * jnp.asarray(tab.b_error, dtype)[None, :, None] * err_bar[:, None, :])
-    kappa = kappa.at[:, -1].add(k1_bar)
+    kappa = kappa + _ctrl(h * jnp.asarray(tab.b_error, dtype)[None, :, None]
+                          * err_bar[:, None, :], kappa)
+    kappa = kappa + jnp.pad(k1_bar[:, None], ((0, 0), (stages - 1, 0), (0, 0)))
     u = z[:n_ctrl]
     theta_rows = num if theta_rows is None else theta_rows
 
@@ -86,7 +94,7 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
         du_i, dtheta_i = jax.vmap(vjp)(kappa[:theta_rows, i])
         if theta_rows < num:
             du_i = jnp.concatenate([du_i, jax.vmap(lambda r: vjp(r)[0])(kappa[theta_rows:, i])])
-        kappa = kappa.at[:, :, :n_ctrl].add(h * a[i][None, :, None] * du_i[:, None, :])
+        kappa = kappa + _ctrl(h * a[i][None, :, None] * du_i[:, None, :], kappa)
         return kappa, du + du_i, jax.tree.map(jnp.add, dtheta, flat(dtheta_i))
 
     leaves = jax.tree.leaves(theta)
@@ -99,7 +107,7 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
     init = (kappa, _sharding.rows_like(u, num),
             flat(jax.tree.map(lambda t: _sharding.rows_like(t, theta_rows), theta)))
     kappa, du, dtheta = _sharding.fori_loop(0, stages - 1, stage, init)
-    return z1_bar.at[:, :n_ctrl].add(du), (kappa[:, 0],), dtheta
+    return z1_bar + _ctrl(du, z1_bar), (kappa[:, 0],), dtheta
 
 
 def explicit_stepper(tab, rhs, n_ctrl, *, rtol=None, atol=None):

@@ -546,7 +546,8 @@ def _save_checkpoint(ck, hit, accepted, row, C):
         bufs = jax.lax.cond(full, thin, lambda b: b, bufs)
         spacing = jnp.where(full, 2 * spacing, spacing)
         slot = jnp.minimum(div(accepted, spacing), C - 1)
-        bufs = jax.tree.map(lambda buf, val: buf.at[slot].set(val), bufs, row)
+        bufs = jax.tree.map(
+            lambda buf, val: jax.lax.dynamic_update_index_in_dim(buf, val, slot, 0), bufs, row)
         return bufs, spacing
 
     return _sharding.cond_once(hit, save, lambda *ck: ck, bufs, spacing, explicit=False)

@@ -129,7 +129,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=2, struct
                 k = jnp.concatenate([k, rhs(U, t)[n_ctrl:]])
                 fevals = fevals + 1
             ok = ok & info.converged & jnp.all(jnp.isfinite(k))
-            return ks.at[i].set(k), ok, fevals
+            return jax.lax.dynamic_update_index_in_dim(ks, k, i, 0), ok, fevals
 
         ks, ok, fevals = _sharding.fori_loop(
             1, stages, stage, (ks, jnp.bool_(True), jnp.zeros((), jnp.int32))
@@ -179,7 +179,7 @@ def implicit_stepper(tab, rhs, n_ctrl, *, rtol, atol, derivative_order=2, struct
                 r = U - base - hg * rhs(U, t)
                 x = inv(r)
                 U = U - (x - jax.lax.stop_gradient(x))
-            return ks.at[i].set((U - base) / hg)
+            return jax.lax.dynamic_update_index_in_dim(ks, (U - base) / hg, i, 0)
 
         ks = _sharding.fori_loop(1, stages, stage, ks)
         z1 = z + h * _sharding.matmul(jnp.asarray(tab.b, dtype), ks)
