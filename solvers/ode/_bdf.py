@@ -104,7 +104,7 @@ def _rescale(D, order, factor):
     RU = _small.matmul(R, U)
     m = jnp.arange(MAX_ORDER + 1) <= order
     A = jnp.where(m[:, None] & m[None, :], RU, jnp.eye(MAX_ORDER + 1, dtype=dtype))
-    return D.at[: MAX_ORDER + 1].set(_small.matmul(A.T, D[: MAX_ORDER + 1]))
+    return jnp.concatenate([_small.matmul(A.T, D[: MAX_ORDER + 1]), D[MAX_ORDER + 1:]])
 
 
 #: The scalars of :class:`BDFCache`, in the order of its ``scalars`` vector:
@@ -151,9 +151,10 @@ class BDFCache(NamedTuple):
         """This cache with some arrays or scalars replaced."""
         arrays = {k: v for k, v in changes.items() if k not in _SCALARS}
         scalars = self.scalars
+        slots = jnp.arange(len(_SCALARS))
         for k, v in changes.items():
-            if k in _SCALARS:
-                scalars = scalars.at[_SCALARS.index(k)].set(v)
+            if k in _SCALARS:  # (a select, which XLA fuses: .at[i].set is a scatter)
+                scalars = jnp.where(slots == _SCALARS.index(k), v, scalars)
         return self._replace(scalars=scalars, **arrays)
 
 
