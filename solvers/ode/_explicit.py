@@ -98,11 +98,13 @@ def erk_vjp(tab, rhs, s, z, h, ks, theta, rows, n_ctrl, theta_rows=None):
         return kappa, du + du_i, jax.tree.map(jnp.add, dtheta, flat(dtheta_i))
 
     leaves = jax.tree.leaves(theta)
-    flat = lambda rows: rows  # noqa: E731
-    if leaves and sum(jnp.size(v) for v in leaves) <= FLAT_THETA_MAX:
-        def flat(rows):
-            return jnp.concatenate(
-                [v.reshape(theta_rows, -1).astype(dtype) for v in jax.tree.leaves(rows)], axis=1)
+    one_vector = bool(leaves) and sum(jnp.size(v) for v in leaves) <= FLAT_THETA_MAX
+
+    def flat(rows):  # (rows of the parameters' cotangents: one vector each, or as they are)
+        if not one_vector:
+            return rows
+        return jnp.concatenate(
+            [v.reshape(theta_rows, -1).astype(dtype) for v in jax.tree.leaves(rows)], axis=1)
 
     init = (kappa, _sharding.rows_like(u, num),
             flat(jax.tree.map(lambda t: _sharding.rows_like(t, theta_rows), theta)))

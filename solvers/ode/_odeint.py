@@ -194,16 +194,15 @@ def odeint(
     implicit function theorem on ``g(y(t_e), t_e) = 0``, ``dt_e/dθ = -(g_y·∂y(t_e)/∂θ +
     g_θ) / (g_y·f + g_t)``, with ``∂y(t_e)/∂θ`` from one more integration, to the event
     time, and its adjoint (a crossing where ``g`` is tangent, ``g_y·f + g_t = 0``, has no
-    derivative). A
-    component that starts exactly at zero does not count as crossing until it leaves
-    zero and comes back: restarting from an event state, pass ``event_direction`` so that
-    the round-off side of zero does not fire at once. With ``event_terminal=False`` the
-    events do not stop anything: every crossing is located the same way as it happens
-    and the first ``max_events`` are kept (``info.event_time`` etc. with a leading axis of
-    ``max_events``, ``info.num_events`` the count); those times are not differentiated
-    (``stop_gradient``: their gradient is zero; use a terminal event for a
-    differentiable crossing time). Two crossings of one component inside one step (a
-    sign change undone within it) are not seen, by either kind.
+    derivative). A component that starts exactly at zero does not count as crossing until
+    it leaves zero and comes back: restarting from an event state, pass
+    ``event_direction`` so that the round-off side of zero does not fire at once. With
+    ``event_terminal=False`` the events do not stop anything: every crossing is located
+    the same way as it happens and the first ``max_events`` are kept (``info.event_time``
+    etc. with a leading axis of ``max_events``, ``info.num_events`` the count); those
+    times are not differentiated (``stop_gradient``: their gradient is zero; use a
+    terminal event for a differentiable crossing time). Two crossings of one component
+    inside one step (a sign change undone within it) are not seen, by either kind.
 
     Dense output: with ``dense=B`` (and ``full_output=True``), ``info.solution`` is an
     :class:`ODESolution` keeping the continuous extension of the last ``B`` accepted steps
