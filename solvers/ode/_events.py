@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from implicit import custom_root
 from solvers.ode import _integrate
 
 __all__ = ["make_event_solve", "DIRECTIONS", "event_grid"]
@@ -65,27 +66,6 @@ def _with_derivative(value, carrier):
 @_with_derivative.defjvp
 def _with_derivative_jvp(primals, tangents):
     return primals[0], tangents[1]
-
-
-def _root_at_zero(h, ok, d0, p, aux):
-    """``d0`` (a zero scalar), the root of ``h(δ, p, aux) = 0`` where ``h(d0, p, aux) =
-    0``, with the implicit function theorem's derivatives in ``p``, any order: ``δ' = -h_p
-    ṗ / h_δ`` at ``(δ(p), p)`` (``aux``: not differentiated; ``h`` closes over no traced
-    value). Where ``ok`` is False, zero with zero derivatives."""
-
-    @jax.custom_jvp
-    def root(d0, ok, p, aux):
-        return d0
-
-    @root.defjvp
-    def root_jvp(primals, tangents):
-        d0, ok, p, aux = primals
-        d = root(*primals)  # (zero, with its derivatives: those of the rule's own terms)
-        _, h_p = jax.jvp(lambda p: h(d, p, aux), (p,), (tangents[2],))
-        _, h_d = jax.jvp(lambda d: h(d, p, aux), (d,), (jnp.ones_like(d),))
-        return d, jnp.where(ok, -h_p / jnp.where(ok, h_d, 1), 0)
-
-    return root(jax.lax.stop_gradient(d0), ok, p, aux)
 
 
 def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope=None):
@@ -132,25 +112,28 @@ def make_event_solve(make_stepper, G, E, n, solve, *, direction, record=0, slope
         ``t_e = t* + δ``, ``z_e = Y(δ)``, with ``Y(δ) = y* + f δ + ½ (f_y f + f_t) δ²``
         the flow from the grid's last row ``y* = y(t*)`` and ``δ`` the root of
         ``g(Y(δ), t* + δ) = 0``: zero at the crossing found, its derivatives the implicit
-        function theorem's (:func:`_root_at_zero`)."""
+        function theorem's (the engine's ``custom_root``, whose forward rule is
+        differentiable again; no event: ``δ = 0`` is the root of ``δ``)."""
         fired = jnp.isfinite(result.t)
         t_star = jnp.where(fired, result.t, 0)
         index = jnp.maximum(result.index, 0)
 
         def flow(d, p, aux):
-            (y, theta, _), (t_star, _, const, _) = p, aux
+            (y, theta, _), (t_star, _, const, _, _) = p, aux
             fz = f(y, t_star, theta, const)
             dfz = jax.jvp(lambda z, s: f(z, s, theta, const), (y, t_star),
                           (fz, jnp.ones_like(t_star)))[1]
             return y + fz * d + 0.5 * dfz * d**2
 
         def h(d, p, aux):
-            (_, theta, ev_theta), (t_star, index, const, ev_const) = p, aux
+            (_, theta, ev_theta), (t_star, index, const, ev_const, fired) = p, aux
             g = E(flow(d, p, aux), t_star + d, theta, const, ev_theta, ev_const)
-            return g[index]
+            return jnp.where(fired, g[index], d)
 
-        p, aux = (ys[-1], theta, ev_theta), (t_star, index, const, ev_const)
-        d = _root_at_zero(h, fired, jnp.zeros_like(t_star), p, aux)
+        # (h closes over no traced value: the engine converts closed-over floats only)
+        p, aux = (ys[-1], theta, ev_theta), (t_star, index, const, ev_const, fired)
+        root = custom_root(h, linear_solver="diagonal", rule="jvp", on_failure="ignore")
+        d = root(lambda d0, p, aux: d0)(jnp.zeros_like(t_star), p, aux)
         t_e = jnp.where(fired, t_star + d, 0)
         z_e = jnp.where(fired, flow(d, p, aux), 0)
         zs = jnp.where(before[:, None] | ~fired, ys, z_e)
